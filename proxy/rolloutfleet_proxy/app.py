@@ -1,0 +1,241 @@
+"""HTTP routes of the proxy (FastAPI)."""
+
+from __future__ import annotations
+
+import hmac
+import math
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response, StreamingResponse
+
+from .errors import ProxyError, bad_request, error_response, forbidden, unauthorized, unavailable
+from .ids import (
+    SESSION_ID_RULE,
+    is_valid_session_id,
+    key_digest,
+    key_matches,
+    new_session_id,
+    new_session_key,
+)
+from .middleware import BodyLimitMiddleware, BodyTooLarge, RequestLogMiddleware
+from .openai_format import completion_body, completion_sse, json_body, logprobs_content, parse_chat_request
+from .runtime import ProxyRuntime
+from .session import Session
+from .settings import ProxySettings
+from .stats import StatsCollector
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def bearer_key(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    if header[:7].lower() == "bearer " and header[7:].strip():
+        return header[7:].strip()
+    return None
+
+
+def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> FastAPI:
+    runtime = runtime or ProxyRuntime(settings)
+    admin_digest = key_digest(settings.admin_key.get_secret_value())
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(StatsCollector(runtime.stats))
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await runtime.start()
+        try:
+            yield
+        finally:
+            await runtime.stop()
+
+    app = FastAPI(title="RolloutFleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.runtime = runtime
+
+    def is_admin(key: str) -> bool:
+        return hmac.compare_digest(key_digest(key), admin_digest)
+
+    def require_admin(request: Request) -> None:
+        key = bearer_key(request)
+        if key is None or not is_admin(key):
+            raise unauthorized("this route needs the admin key")
+
+    def authorized_session(request: Request, session_id: str) -> Session:
+        key = bearer_key(request)
+        if key is None:
+            raise unauthorized()
+        if not is_valid_session_id(session_id):
+            raise bad_request("invalid_session_id", f"session ids are {SESSION_ID_RULE}")
+        session = runtime.store.get(session_id)
+        if not (key_matches(key, session.key_digest) or is_admin(key)):
+            raise unauthorized("the key does not belong to this session")
+        return session
+
+    async def read_json(request: Request) -> Any:
+        return json_body(await request.body())
+
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(_request: Request, exc: ProxyError) -> Response:
+        return exc.to_response()
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(_request: Request, _exc: BodyTooLarge) -> Response:
+        return error_response(413, "body_too_large", f"request body exceeds {settings.max_body_bytes} bytes")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> Response:
+        return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
+
+    # --- sessions -------------------------------------------------------------------------------
+
+    @app.post("/v1/sessions", status_code=201)
+    async def create_session(request: Request) -> Response:
+        require_admin(request)
+        raw = await request.body()
+        body = json_body(raw) if raw.strip() else {}
+        if not isinstance(body, dict):
+            raise bad_request("invalid_body", "the request body must be a JSON object")
+        if runtime.gauges.draining or not runtime.started:
+            raise unavailable("draining", "this proxy is not taking new sessions; use another one", 2)
+        session_id = body.get("session_id") or new_session_id()
+        if not isinstance(session_id, str) or not is_valid_session_id(session_id):
+            raise bad_request("invalid_session_id", f"session ids are {SESSION_ID_RULE}")
+        metadata = body.get("metadata") or {}
+        if not isinstance(metadata, dict):
+            raise bad_request("invalid_metadata", "metadata must be a JSON object")
+        if len(orjson.dumps(metadata)) > settings.max_metadata_bytes:
+            raise bad_request("invalid_metadata", f"metadata exceeds {settings.max_metadata_bytes} bytes")
+        key = new_session_key()
+        runtime.store.add(Session(session_id, key_digest(key), metadata))
+        runtime.counters.sessions_created += 1
+        path = f"/v1/sessions/{session_id}"
+        base = (settings.public_url or "").rstrip("/")
+        return json_response(
+            {
+                "session_id": session_id,
+                "session_key": key,
+                "proxy_url": settings.public_url,
+                "base_url": base + path,
+            },
+            201,
+        )
+
+    @app.get("/v1/sessions")
+    async def list_sessions(request: Request, limit: int = 100) -> Response:
+        require_admin(request)
+        limit = max(1, min(limit, 10000))
+        sessions = [s.summary() for _, s in zip(range(limit), runtime.store, strict=False)]
+        return json_response({"total": len(runtime.store), "sessions": sessions})
+
+    @app.get("/v1/sessions/{session_id}")
+    async def get_session(session_id: str, request: Request, tokens: bool = False) -> Response:
+        session = authorized_session(request, session_id)
+        data = session.summary()
+        if tokens:
+            data["trajectory"] = session.trajectory()
+        return json_response(data)
+
+    @app.delete("/v1/sessions/{session_id}", status_code=204)
+    async def delete_session(session_id: str, request: Request) -> Response:
+        authorized_session(request, session_id)
+        session = runtime.store.remove(session_id, "deleted by the client")
+        if session.in_flight is not None:
+            session.in_flight.cancel()
+        runtime.counters.sessions_deleted += 1
+        runtime.counters.sessions_evicted += 1
+        return Response(status_code=204)
+
+    @app.post("/v1/sessions/{session_id}/reward")
+    async def reward(session_id: str, request: Request) -> Response:
+        body = await read_json(request)
+        session = authorized_session(request, session_id)
+        if not isinstance(body, dict):
+            raise bad_request("invalid_body", "the request body must be a JSON object")
+        value = body.get("reward")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise bad_request("invalid_reward", "reward must be a finite number")
+        turn = body.get("turn")
+        if turn is not None and (
+            isinstance(turn, bool) or not isinstance(turn, int) or not 0 <= turn < session.num_turns
+        ):
+            raise bad_request("invalid_turn", f"turn must be an integer in [0, {session.num_turns})")
+        session.set_reward(float(value), turn)
+        return json_response(session.summary())
+
+    @app.post("/v1/sessions/{session_id}/finish")
+    async def finish(session_id: str, request: Request) -> Response:
+        session = authorized_session(request, session_id)
+        if session.busy:
+            raise ProxyError(409, "session_busy", f"session {session_id} has a turn in flight")
+        if not session.finished:
+            session.finished = True
+            runtime.counters.sessions_finished += 1
+        return json_response(session.summary())
+
+    @app.post("/v1/sessions/{session_id}/chat/completions")
+    async def chat(session_id: str, request: Request) -> Response:
+        body = await read_json(request)
+        chat_request = parse_chat_request(body, settings.default_max_tokens)
+        session = authorized_session(request, session_id)
+        assert runtime.turns is not None and runtime.tokenizer is not None
+        timings = request.scope["state"].setdefault("timings", {})
+        result = await runtime.turns.run_turn(session, chat_request, timings)
+        gen = result.generation
+        logprobs = None
+        if chat_request.logprobs:
+            logprobs = logprobs_content(
+                runtime.tokenizer.token_strings(gen.output_ids), gen.logprobs.tolist()
+            )
+        fields = dict(
+            completion_id=f"chatcmpl-{session_id}-{result.turn_index}",
+            model=settings.model_name,
+            text=gen.text,
+            finish=gen.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=len(gen.output_ids),
+            logprobs=logprobs,
+            extra={"session_id": session_id, "turn": result.turn_index},
+        )
+        if chat_request.stream:
+            return StreamingResponse(
+                completion_sse(include_usage=chat_request.include_usage, **fields),
+                media_type="text/event-stream",
+            )
+        return Response(completion_body(**fields), media_type="application/json")
+
+    # --- operations -----------------------------------------------------------------------------
+
+    @app.get("/stats")
+    async def stats() -> Response:
+        return json_response(runtime.stats())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if runtime.gauges.draining:
+            return error_response(503, "draining", "the proxy is draining for shutdown")
+        if not runtime.started:
+            return error_response(503, "starting", "the proxy is starting")
+        return json_response({"status": "ready"})
+
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestLogMiddleware, counters=runtime.counters, enabled=settings.log_requests)
+    return app

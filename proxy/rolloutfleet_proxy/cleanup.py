@@ -1,0 +1,117 @@
+"""Writing sessions out before they leave memory: stale-session cleanup and the shutdown drain's dump.
+
+Order for every session that leaves: detach from the store (under the store lock), snapshot under
+the session's own lock, serialize and write in a worker thread, then forget it, or put it back if
+the write failed so nothing is lost and the next cycle retries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .dumps import STALE_AREA, write_session_dump
+from .heap import HeapTrimmer
+from .session import Session
+from .stats import Counters, Gauges
+from .store import SessionStore
+
+log = logging.getLogger("rolloutfleet.proxy.cleanup")
+
+
+@dataclass
+class WriteOutcome:
+    written: list[Session]
+    failed: list[Session]
+
+
+class SessionWriter:
+    """Dumps detached sessions to disk with bounded parallelism, off the event loop."""
+
+    def __init__(self, dump_dir: Path | None, concurrency: int, counters: Counters):
+        self.dump_dir = dump_dir
+        self._slots = asyncio.Semaphore(concurrency)
+        self._counters = counters
+
+    async def write(self, sessions: list[Session], area: str, reason: str) -> WriteOutcome:
+        if self.dump_dir is None:
+            return WriteOutcome(written=[], failed=list(sessions))
+        results = await asyncio.gather(*(self._write_one(s, area, reason) for s in sessions))
+        return WriteOutcome(
+            written=[s for s, ok in zip(sessions, results, strict=True) if ok],
+            failed=[s for s, ok in zip(sessions, results, strict=True) if not ok],
+        )
+
+    async def _write_one(self, session: Session, area: str, reason: str) -> bool:
+        async with self._slots:
+            async with session.lock:  # a detached session has no turn, but never snapshot mid-mutation
+                record = session.to_record()
+            try:
+                await asyncio.to_thread(write_session_dump, self.dump_dir, area, record, reason)
+            except Exception as exc:  # any failure keeps the session; it is retried
+                self._counters.dump_failures += 1
+                log.error(
+                    "dump of session %s to %s failed: %s: %s",
+                    session.session_id,
+                    area,
+                    type(exc).__name__,
+                    exc,
+                )
+                return False
+            return True
+
+
+class StaleSessionCleaner:
+    def __init__(
+        self,
+        store: SessionStore,
+        writer: SessionWriter,
+        trimmer: HeapTrimmer,
+        counters: Counters,
+        gauges: Gauges,
+        timeout_s: float,
+        interval_s: float,
+        drop_without_dump: bool,
+    ):
+        self._store = store
+        self._writer = writer
+        self._trimmer = trimmer
+        self._counters = counters
+        self._gauges = gauges
+        self.timeout_s = timeout_s
+        self.interval_s = interval_s
+        self._drop_without_dump = drop_without_dump
+
+    async def run_once(self) -> int:
+        """Dump and evict every stale session; returns how many left memory."""
+        started = time.monotonic()
+        async with self._store.lock:
+            stale = self._store.detach_stale(time.monotonic(), self.timeout_s)
+        evicted = 0
+        if stale:
+            if self._writer.dump_dir is None and self._drop_without_dump:
+                for session in stale:
+                    self._store.forget(session, "dropped after idling (no dump directory)")
+                self._counters.sessions_dropped += len(stale)
+                evicted = len(stale)
+            else:
+                outcome = await self._writer.write(stale, STALE_AREA, "stale")
+                async with self._store.lock:
+                    for session in outcome.written:
+                        self._store.forget(session, "idle past the stale-session timeout; dumped to disk")
+                    for session in outcome.failed:
+                        self._store.reattach(session)
+                self._counters.sessions_dumped += len(outcome.written)
+                self._counters.sessions_evicted += len(outcome.written)
+                evicted = len(outcome.written)
+            del stale
+            if evicted and self._trimmer.available and await asyncio.to_thread(self._trimmer.trim):
+                self._counters.heap_trims += 1
+        self._counters.cleanup_cycles += 1
+        self._gauges.last_cleanup_seconds = round(time.monotonic() - started, 6)
+        if evicted:
+            log.info("cleanup evicted %d stale sessions in %.3fs", evicted, self._gauges.last_cleanup_seconds)
+        return evicted

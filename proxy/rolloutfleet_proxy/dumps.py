@@ -1,0 +1,170 @@
+"""Session dump files: a self-describing safetensors file per session, written atomically.
+
+Layout of a dump directory:
+    live/<session_id>.safetensors             sessions drained at shutdown; restored on the next start
+    stale/<session_id>.<unix_ms>.safetensors  sessions evicted after idling past the timeout
+    corrupt/                                  live files that could not be read back (kept, not deleted)
+
+A file holds the tensors `input_ids` (int32), `loss_mask` (uint8), `logprobs` (float32) and
+`turn_bounds` (int32, [turns, 3]: first new input token, first output token, end of output), and
+under the metadata key `rolloutfleet.session` a JSON object with the rest of the session. Any
+safetensors reader reads it; `load_session_file` turns it back into a `SessionRecord`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from array import array
+from pathlib import Path
+
+import numpy as np
+import orjson
+from safetensors import safe_open
+from safetensors.numpy import save as safetensors_save
+
+from .ids import is_valid_session_id
+from .session import TURN_BOUND_FIELDS, SessionRecord
+
+FORMAT = "rolloutfleet.session"
+FORMAT_VERSION = 1
+LIVE_AREA = "live"
+STALE_AREA = "stale"
+CORRUPT_AREA = "corrupt"
+SUFFIX = ".safetensors"
+
+
+class DumpFormatError(ValueError):
+    pass
+
+
+def area_dir(dump_dir: Path, area: str) -> Path:
+    return dump_dir / area
+
+
+def dump_file_path(dump_dir: Path, area: str, session_id: str, stamp_ms: int | None = None) -> Path:
+    """The file for a session; refuses ids that could name anything outside the area directory."""
+    if not is_valid_session_id(session_id):
+        raise ValueError(f"invalid session id {session_id!r}")
+    name = session_id + (f".{stamp_ms}" if stamp_ms is not None else "") + SUFFIX
+    directory = area_dir(dump_dir, area).resolve()
+    path = (directory / name).resolve()
+    if path.parent != directory:
+        raise ValueError(f"session id {session_id!r} escapes the dump directory")
+    return path
+
+
+def encode_record(record: SessionRecord, reason: str) -> bytes:
+    tensors = {
+        "input_ids": np.frombuffer(record.token_ids, dtype=np.int32),
+        "loss_mask": np.frombuffer(record.loss_mask, dtype=np.uint8),
+        "logprobs": np.frombuffer(record.logprobs, dtype=np.float32),
+        "turn_bounds": np.frombuffer(record.turn_bounds, dtype=np.int32).reshape(-1, TURN_BOUND_FIELDS),
+    }
+    header = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "reason": reason,
+        "dumped_at": time.time(),
+        "session_id": record.session_id,
+        "key_sha256": record.key_digest.hex(),
+        "created_at": record.created_at,
+        "metadata": record.metadata,
+        "message_count": record.message_count,
+        "history_digest": record.history_digest.hex(),
+        "last_output_stopped": record.last_output_stopped,
+        "last_stop_token": record.last_stop_token,
+        "reward": record.reward,
+        "turn_rewards": {str(k): v for k, v in record.turn_rewards.items()},
+        "finished": record.finished,
+    }
+    return safetensors_save(tensors, metadata={FORMAT: orjson.dumps(header).decode()})
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Temp file in the same directory, fsync, rename, fsync the directory: all or nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def write_session_dump(dump_dir: Path, area: str, record: SessionRecord, reason: str) -> Path:
+    """Serialize and write one session (blocking: call from a worker thread)."""
+    stamp = int(time.time() * 1000) if area == STALE_AREA else None
+    path = dump_file_path(dump_dir, area, record.session_id, stamp)
+    write_atomic(path, encode_record(record, reason))
+    return path
+
+
+def load_session_file(path: str | os.PathLike) -> SessionRecord:
+    """Read a dump file back (the documented loader)."""
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no iter)
+    except Exception as exc:
+        raise DumpFormatError(f"{path}: not a readable safetensors file: {exc}") from exc
+    if FORMAT not in meta:
+        raise DumpFormatError(f"{path}: no {FORMAT} metadata")
+    header = orjson.loads(meta[FORMAT])
+    if header.get("format") != FORMAT or header.get("format_version") != FORMAT_VERSION:
+        raise DumpFormatError(
+            f"{path}: unsupported format {header.get('format')} v{header.get('format_version')}"
+        )
+    try:
+        token_ids = array("i", tensors["input_ids"].astype(np.int32, copy=False).tobytes())
+        loss_mask = array("B", tensors["loss_mask"].astype(np.uint8, copy=False).tobytes())
+        logprobs = array("f", tensors["logprobs"].astype(np.float32, copy=False).tobytes())
+        turn_bounds = array("i", tensors["turn_bounds"].astype(np.int32, copy=False).tobytes())
+    except KeyError as exc:
+        raise DumpFormatError(f"{path}: missing tensor {exc}") from None
+    if not len(token_ids) == len(loss_mask) == len(logprobs):
+        raise DumpFormatError(f"{path}: input_ids, loss_mask and logprobs differ in length")
+    return SessionRecord(
+        session_id=header["session_id"],
+        key_digest=bytes.fromhex(header["key_sha256"]),
+        created_at=float(header["created_at"]),
+        metadata=header.get("metadata") or {},
+        token_ids=token_ids,
+        loss_mask=loss_mask,
+        logprobs=logprobs,
+        turn_bounds=turn_bounds,
+        message_count=int(header["message_count"]),
+        history_digest=bytes.fromhex(header["history_digest"]),
+        last_output_stopped=bool(header["last_output_stopped"]),
+        last_stop_token=header.get("last_stop_token"),
+        reward=header.get("reward"),
+        turn_rewards={int(k): float(v) for k, v in (header.get("turn_rewards") or {}).items()},
+        finished=bool(header.get("finished", False)),
+    )
+
+
+def list_live_dumps(dump_dir: Path) -> list[Path]:
+    directory = area_dir(dump_dir, LIVE_AREA)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith("."))
+
+
+def quarantine(path: Path, dump_dir: Path) -> Path:
+    """Move an unreadable live dump aside so it is kept for inspection but not retried forever."""
+    target_dir = area_dir(dump_dir, CORRUPT_AREA)
+    target_dir.mkdir(parents=True, exist_ok=True)
+    target = target_dir / f"{path.name}.{int(time.time() * 1000)}"
+    os.replace(path, target)
+    return target

@@ -1,0 +1,33 @@
+"""Session ids and keys: what a valid id is, how keys are made and checked."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+
+# A fixed, path-safe alphabet: no dots or slashes, so no id can name a path outside the dump directory.
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9_-]{8,64}")
+SESSION_ID_RULE = "8 to 64 characters from A-Z, a-z, 0-9, '_' and '-'"
+
+
+def is_valid_session_id(session_id: str) -> bool:
+    return SESSION_ID_RE.fullmatch(session_id) is not None
+
+
+def new_session_id() -> str:
+    return secrets.token_urlsafe(16)  # 22 characters of the allowed alphabet
+
+
+def new_session_key() -> str:
+    return "rfs-" + secrets.token_urlsafe(32)
+
+
+def key_digest(key: str) -> bytes:
+    """Only digests of session keys are kept (in memory and in dumps)."""
+    return hashlib.sha256(key.encode()).digest()
+
+
+def key_matches(key: str, digest: bytes) -> bool:
+    return hmac.compare_digest(key_digest(key), digest)

@@ -1,0 +1,203 @@
+"""OpenAI chat-completions requests in, responses (JSON or SSE) out."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from .errors import ProxyError, bad_request
+from .history import InvalidMessage, canonical_message
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    messages: list[dict[str, Any]]  # canonical form
+    sampling_params: dict[str, Any]
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+
+
+def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise bad_request("invalid_parameter", f"{name} must be a number")
+    if not low <= value <= high:
+        raise bad_request("invalid_parameter", f"{name} must be between {low} and {high}")
+    return float(value)
+
+
+def _positive_int(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise bad_request("invalid_parameter", f"{name} must be a positive integer")
+    return value
+
+
+def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
+    """Validate an OpenAI chat request; unknown OpenAI parameters are ignored, wrong ones are 400."""
+    if not isinstance(body, dict):
+        raise bad_request("invalid_body", "the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("invalid_messages", "messages must be a non-empty list")
+    try:
+        canonical = [canonical_message(m) for m in messages]
+    except InvalidMessage as exc:
+        raise bad_request("invalid_messages", str(exc)) from None
+    n = body.get("n", 1)
+    if n != 1:
+        raise bad_request("invalid_parameter", "n must be 1: a session records one trajectory")
+    sampling: dict[str, Any] = {
+        "max_new_tokens": _positive_int(body, "max_completion_tokens")
+        or _positive_int(body, "max_tokens")
+        or default_max_tokens,
+    }
+    for name, low, high in (
+        ("temperature", 0.0, 2.0),
+        ("top_p", 0.0, 1.0),
+        ("presence_penalty", -2.0, 2.0),
+        ("frequency_penalty", -2.0, 2.0),
+    ):
+        value = _number(body, name, low, high)
+        if value is not None:
+            sampling[name] = value
+    stop = body.get("stop")
+    if stop is not None:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise bad_request("invalid_parameter", "stop must be a string or a list of strings")
+        sampling["stop"] = stop
+    seed = body.get("seed")
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise bad_request("invalid_parameter", "seed must be an integer")
+        sampling["sampling_seed"] = seed
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad_request("invalid_parameter", "stream must be a boolean")
+    options = body.get("stream_options") or {}
+    return ChatRequest(
+        messages=canonical,
+        sampling_params=sampling,
+        stream=stream,
+        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        logprobs=bool(body.get("logprobs", False)),
+    )
+
+
+def finish_reason(sglang_finish: str) -> str:
+    return "length" if sglang_finish == "length" else "stop"
+
+
+def logprobs_content(tokens: list[str], logprobs: list[float]) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(tokens, logprobs, strict=True)
+        ]
+    }
+
+
+def completion_body(
+    *,
+    completion_id: str,
+    model: str,
+    text: str,
+    finish: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    logprobs: dict[str, Any] | None,
+    extra: dict[str, Any],
+) -> bytes:
+    return orjson.dumps(
+        {
+            "id": completion_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish_reason(finish),
+                    "logprobs": logprobs,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+            },
+            "rolloutfleet": extra,
+        }
+    )
+
+
+def completion_sse(
+    *,
+    completion_id: str,
+    model: str,
+    text: str,
+    finish: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    logprobs: dict[str, Any] | None,
+    include_usage: bool,
+    extra: dict[str, Any],
+) -> Iterator[bytes]:
+    """The recorded reply as a chat.completion.chunk stream (sent only after it was recorded)."""
+    created = int(time.time())
+
+    def chunk(delta: dict[str, Any], reason: str | None, chunk_logprobs: Any = None, **more: Any) -> bytes:
+        body = {
+            "id": completion_id,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": chunk_logprobs}],
+            **more,
+        }
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    yield chunk({"role": "assistant", "content": ""}, None)
+    yield chunk({"content": text}, None, logprobs)
+    yield chunk({}, finish_reason(finish), rolloutfleet=extra)
+    if include_usage:
+        usage = {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+        yield (
+            b"data: "
+            + orjson.dumps(
+                {
+                    "id": completion_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                }
+            )
+            + b"\n\n"
+        )
+    yield b"data: [DONE]\n\n"
+
+
+def json_body(raw: bytes) -> Any:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise ProxyError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None

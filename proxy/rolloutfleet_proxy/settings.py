@@ -1,0 +1,94 @@
+"""Proxy settings: the single source of truth for CLI flags and environment variables.
+
+The operator injects these settings into proxy pods; it takes the variable names from
+`env_var_name` / `ENV` here so the contract lives in one place.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "ROLLOUTFLEET_PROXY_"
+
+
+class ProxySettings(BaseSettings):
+    """Configuration of one proxy process (CLI flag > environment variable > default)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        cli_prog_name="rolloutfleet-proxy",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        extra="forbid",
+    )
+
+    host: str = Field("0.0.0.0", description="Address to listen on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port to listen on.")
+    upstream_url: str = Field(description="SGLang gateway or engine base URL (serves /generate).")
+    tokenizer_path: str = Field(description="Local directory of the Hugging Face tokenizer.")
+    admin_key: SecretStr = Field(description="Bearer key for admin routes (creating sessions, listing).")
+    model_name: str = Field("rolloutfleet", description="Model name reported in OpenAI responses.")
+    public_url: str | None = Field(
+        None, description="This proxy's own stable URL, returned with new sessions (per-pod DNS name)."
+    )
+
+    upstream_timeout_s: float = Field(600.0, gt=0, description="Timeout of one upstream /generate call.")
+    upstream_max_connections: int = Field(1024, ge=1, description="Connection pool size to the upstream.")
+    default_max_tokens: int = Field(1024, ge=1, description="max_new_tokens when a request sets none.")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest accepted request body.")
+    max_metadata_bytes: int = Field(4096, ge=0, description="Largest accepted session metadata (JSON).")
+
+    cleanup_enabled: bool = Field(True, description="Dump and evict sessions idle past the timeout.")
+    stale_session_timeout_s: float = Field(
+        1800.0, gt=0, description="Idle time after which a session is stale."
+    )
+    cleanup_interval_s: float = Field(30.0, gt=0, description="Time between stale-session cleanup cycles.")
+    dump_dir: Path | None = Field(None, description="Directory for session dumps (stale/ and live/ areas).")
+    allow_dropping_sessions: bool = Field(
+        False,
+        description="Without a dump directory, drop stale and drained sessions instead of refusing to start.",
+    )
+    dump_write_concurrency: int = Field(8, ge=1, le=64, description="Dump files written in parallel.")
+    drain_grace_s: float = Field(25.0, ge=0, description="On SIGTERM, how long in-flight turns may finish.")
+    trim_heap: bool = Field(
+        True, description="Return freed heap pages to the OS (malloc_trim) after cleanup."
+    )
+    heartbeat_interval_s: float = Field(60.0, gt=0, description="Interval of the stats heartbeat log line.")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+    log_requests: bool = Field(True, description="One structured log line per request.")
+    tombstone_capacity: int = Field(
+        10000,
+        ge=0,
+        description="Recently ended session ids remembered, so late calls get 410 instead of 404.",
+    )
+
+    @model_validator(mode="after")
+    def _refuse_silent_data_loss(self) -> ProxySettings:
+        if self.dump_dir is None and not self.allow_dropping_sessions:
+            raise ValueError(
+                f"no dump directory: set {env_var_name('dump_dir')} (--dump-dir) so stale and drained "
+                f"sessions are written before they are dropped, or set {env_var_name('allow_dropping_sessions')}"
+                " (--allow-dropping-sessions) to drop them on purpose"
+            )
+        return self
+
+
+def env_var_name(field: str) -> str:
+    """The environment variable that sets `field` (raises KeyError for unknown fields)."""
+    if field not in ProxySettings.model_fields:
+        raise KeyError(f"unknown proxy setting {field!r}")
+    return ENV_PREFIX + field.upper()
+
+
+ENV: dict[str, str] = {field: env_var_name(field) for field in ProxySettings.model_fields}
+
+
+def load_settings(argv: list[str] | None = None) -> ProxySettings:
+    """Settings from CLI arguments (if given) and the environment."""
+    if argv is None:
+        return ProxySettings()
+    return ProxySettings(_cli_parse_args=argv)

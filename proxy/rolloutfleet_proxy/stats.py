@@ -1,0 +1,108 @@
+"""Counters, the /stats document, and the Prometheus view of the same numbers."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import psutil
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+@dataclass
+class Counters:
+    """Monotonic totals since this process started."""
+
+    requests: int = 0
+    turns: int = 0
+    turns_failed: int = 0
+    turns_busy_rejected: int = 0
+    turns_cancelled: int = 0
+    sessions_created: int = 0
+    sessions_deleted: int = 0
+    sessions_finished: int = 0
+    sessions_dumped: int = 0
+    sessions_drained: int = 0
+    sessions_evicted: int = 0
+    sessions_dropped: int = 0
+    sessions_restored: int = 0
+    dump_failures: int = 0
+    restore_failures: int = 0
+    cleanup_cycles: int = 0
+    cleanup_errors: int = 0
+    heap_trims: int = 0
+
+
+@dataclass
+class Gauges:
+    """Point-in-time values the app updates as it works."""
+
+    inflight_turns: int = 0
+    last_cleanup_seconds: float = 0.0
+    draining: bool = False
+    trim_available: bool = False
+
+
+_process = psutil.Process(os.getpid())
+_started = time.time()
+
+
+def build_stats(
+    counters: Counters, gauges: Gauges, live_sessions: int, detached_sessions: int, tokens_held: int
+) -> dict[str, Any]:
+    memory = _process.memory_info()
+    return {
+        "pid": os.getpid(),
+        "uptime_seconds": round(time.time() - _started, 3),
+        "rss_bytes": memory.rss,
+        "vms_bytes": memory.vms,
+        "live_sessions": live_sessions,
+        "sessions_being_written": detached_sessions,
+        "tokens_held": tokens_held,
+        "inflight_turns": gauges.inflight_turns,
+        "draining": gauges.draining,
+        "last_cleanup_seconds": gauges.last_cleanup_seconds,
+        "trim_available": gauges.trim_available,
+        "totals": asdict(counters),
+    }
+
+
+_GAUGE_HELP = {
+    "rss_bytes": "Resident set size of the proxy process",
+    "vms_bytes": "Virtual memory size of the proxy process",
+    "live_sessions": "Sessions held in memory and reachable",
+    "sessions_being_written": "Sessions detached while their dump is written",
+    "tokens_held": "Tokens held across all sessions",
+    "inflight_turns": "Turns waiting on the upstream",
+    "last_cleanup_seconds": "Duration of the last stale-session cleanup cycle",
+    "uptime_seconds": "Seconds since the process started",
+}
+
+
+class StatsCollector(Collector):
+    """Renders the /stats document as Prometheus metrics at scrape time: one source for both views."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], prefix: str = "rolloutfleet_proxy"):
+        self._stats = stats
+        self._prefix = prefix
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        for name, help_text in _GAUGE_HELP.items():
+            yield GaugeMetricFamily(f"{self._prefix}_{name}", help_text, value=float(stats[name]))
+        yield GaugeMetricFamily(
+            f"{self._prefix}_draining", "1 while draining for shutdown", value=float(stats["draining"])
+        )
+        yield GaugeMetricFamily(
+            f"{self._prefix}_heap_trim_available",
+            "1 when malloc_trim is usable",
+            value=float(stats["trim_available"]),
+        )
+        for name, value in stats["totals"].items():
+            yield CounterMetricFamily(
+                f"{self._prefix}_{name}", f"Total {name.replace('_', ' ')}", value=value
+            )

@@ -1,0 +1,144 @@
+"""One chat turn in a session: tokenize what is new, ask the upstream, record, then answer.
+
+The session lock is held for the whole turn, so a reply is only ever returned after it was
+recorded. A concurrent turn is refused (409) rather than queued; a DELETE cancels the upstream
+call and the turn answers 410; an upstream failure leaves the session exactly as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from array import array
+from dataclasses import dataclass
+
+from .chat_tokens import TemplateError, TurnTokenizer
+from .errors import ProxyError, bad_request, conflict, gone, unavailable
+from .history import extend_digest
+from .openai_format import ChatRequest
+from .session import Session
+from .stats import Counters, Gauges
+from .store import SessionStore
+from .upstream import Generation, SGLangClient
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    turn_index: int
+    generation: Generation
+    prompt_tokens: int
+
+
+def _ms(start: float, end: float) -> float:
+    return round((end - start) * 1000, 3)
+
+
+class TurnService:
+    def __init__(
+        self,
+        store: SessionStore,
+        tokenizer: TurnTokenizer,
+        upstream: SGLangClient,
+        counters: Counters,
+        gauges: Gauges,
+    ):
+        self._store = store
+        self._tokenizer = tokenizer
+        self._upstream = upstream
+        self._counters = counters
+        self._gauges = gauges
+        self.turns_done = asyncio.Event()  # set whenever no turn is in flight (the drain waits on it)
+        self.turns_done.set()
+
+    def new_input_ids(self, session: Session, messages: list[dict]) -> tuple[array, bytes]:
+        """Ids to append for this request's new messages, and the history digest after them."""
+        recorded = session.message_count
+        if len(messages) <= recorded:
+            raise bad_request(
+                "no_new_messages",
+                f"the session has recorded {recorded} messages; send the full history plus new ones",
+            )
+        if extend_digest(b"\x00" * 32, messages[:recorded]) != session.history_digest:
+            raise conflict(
+                "history_mismatch",
+                f"the first {recorded} messages differ from what this session recorded "
+                "(send the full history, with assistant replies exactly as returned)",
+            )
+        new = messages[recorded:]
+        try:
+            if session.num_turns == 0:
+                ids = self._tokenizer.first_turn_ids(new)
+            else:
+                ids = self._tokenizer.continuation_ids(new, session.last_stop_token)
+        except TemplateError as exc:
+            raise bad_request("template_error", str(exc)) from None
+        except Exception as exc:  # jinja raise_exception and friends: the messages do not fit the template
+            raise bad_request("template_error", f"chat template failed on these messages: {exc}") from None
+        return ids, extend_digest(session.history_digest, new)
+
+    async def run_turn(self, session: Session, request: ChatRequest, timings: dict[str, float]) -> TurnResult:
+        if self._gauges.draining:
+            raise unavailable("draining", "the proxy is shutting down; retry on its replacement", 2)
+        if session.finished:
+            raise conflict("session_finished", f"session {session.session_id} is finished")
+        if session.busy:
+            self._counters.turns_busy_rejected += 1
+            raise conflict("session_busy", f"session {session.session_id} already has a turn in flight")
+        t_lock = time.perf_counter()
+        async with session.lock:  # uncontended: acquired without yielding
+            t_tok = time.perf_counter()
+            timings["lock_wait_ms"] = _ms(t_lock, t_tok)
+            if session.closed:
+                raise gone("session_gone", f"session {session.session_id} has ended: {session.close_reason}")
+            session.touch()
+            new_ids, digest = self.new_input_ids(session, request.messages)
+            prompt = session.token_ids.tolist()
+            prompt.extend(new_ids)
+            t_up = time.perf_counter()
+            timings["tokenize_ms"] = _ms(t_tok, t_up)
+            generation = await self._call_upstream(session, prompt, request.sampling_params)
+            t_rec = time.perf_counter()
+            timings["upstream_ms"] = _ms(t_up, t_rec)
+            added = session.append_turn(
+                new_ids,
+                generation.output_ids,
+                generation.logprobs,
+                message_count=len(request.messages) + 1,
+                history_digest=extend_digest(digest, [{"role": "assistant", "content": generation.text}]),
+                stopped=generation.stop_token is not None,
+                stop_token=generation.stop_token,
+            )
+            self._store.record_growth(added)
+            session.touch()
+            self._counters.turns += 1
+            timings["record_ms"] = _ms(t_rec, time.perf_counter())
+            return TurnResult(session.num_turns - 1, generation, len(prompt))
+
+    async def _call_upstream(self, session: Session, prompt: list[int], sampling: dict) -> Generation:
+        task = asyncio.create_task(self._upstream.generate(prompt, sampling))
+        session.in_flight = task
+        self._gauges.inflight_turns += 1
+        self.turns_done.clear()
+        try:
+            await asyncio.wait({task})
+        finally:
+            session.in_flight = None
+            self._gauges.inflight_turns -= 1
+            if self._gauges.inflight_turns == 0:
+                self.turns_done.set()
+            if not task.done():
+                task.cancel()  # our own request was cancelled (client gone, shutdown): nothing is recorded
+        if task.cancelled() or session.closed:
+            self._counters.turns_cancelled += 1
+            if not session.closed:  # only the shutdown drain cancels a turn of a session it keeps
+                raise unavailable("draining", "the proxy shut down during this turn; nothing was recorded", 2)
+            raise gone(
+                "session_deleted",
+                f"session {session.session_id} was deleted during this turn; "
+                "the reply was discarded unrecorded",
+            )
+        try:
+            return task.result()
+        except ProxyError:
+            self._counters.turns_failed += 1
+            raise

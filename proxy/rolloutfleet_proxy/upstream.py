@@ -1,0 +1,105 @@
+"""The SGLang upstream: /generate with input ids, answers parsed into typed arrays."""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import orjson
+
+from .errors import ProxyError
+
+
+@dataclass(frozen=True)
+class Generation:
+    output_ids: array  # int32
+    logprobs: array  # float32, one per output id
+    text: str
+    finish_reason: str  # "stop" | "length" | other SGLang finish types
+    stop_token: int | None  # the generated id that ended the reply, when it is the last output id
+    prompt_tokens: int
+
+
+def upstream_error(status: int, message: str) -> ProxyError:
+    code = "upstream_timeout" if status == 504 else "upstream_error"
+    return ProxyError(status, code, message)
+
+
+def parse_generate_answer(body: bytes) -> Generation:
+    """Validate an SGLang /generate answer; anything inconsistent is an upstream error (502)."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise upstream_error(502, f"upstream answered with invalid JSON: {exc}") from None
+    if isinstance(answer, list) and len(answer) == 1:
+        answer = answer[0]
+    if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
+        raise upstream_error(502, "upstream answer has no meta_info object")
+    meta: dict[str, Any] = answer["meta_info"]
+    token_logprobs = meta.get("output_token_logprobs")
+    if not isinstance(token_logprobs, list):
+        raise upstream_error(
+            502, "upstream answer has no output_token_logprobs (was return_logprob honoured?)"
+        )
+    try:
+        logprobs = array("f", [float(entry[0]) for entry in token_logprobs])
+        logprob_ids = [int(entry[1]) for entry in token_logprobs]
+    except (TypeError, ValueError, IndexError):
+        raise upstream_error(
+            502, "upstream output_token_logprobs entries are not [logprob, token_id, ...]"
+        ) from None
+    output_ids = answer.get("output_ids", logprob_ids)
+    if output_ids != logprob_ids:
+        raise upstream_error(502, "upstream output_ids disagree with the ids in output_token_logprobs")
+    finish = meta.get("finish_reason") or {}
+    finish_type = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
+    matched = finish.get("matched") if isinstance(finish, dict) else None
+    stop_token = matched if isinstance(matched, int) and output_ids and output_ids[-1] == matched else None
+    text = answer.get("text", "")
+    if not isinstance(text, str):
+        raise upstream_error(502, "upstream text is not a string")
+    return Generation(
+        output_ids=array("i", output_ids),
+        logprobs=logprobs,
+        text=text,
+        finish_reason=finish_type,
+        stop_token=stop_token,
+        prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
+    )
+
+
+class SGLangClient:
+    def __init__(self, base_url: str, timeout_s: float, max_connections: int):
+        self._client = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"),
+            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any]) -> Generation:
+        payload = orjson.dumps(
+            {
+                "input_ids": input_ids,
+                "sampling_params": sampling_params,
+                "return_logprob": True,
+                "logprob_start_len": -1,  # logprobs of output tokens only
+                "stream": False,
+            }
+        )
+        try:
+            response = await self._client.post(
+                "/generate", content=payload, headers={"content-type": "application/json"}
+            )
+        except httpx.TimeoutException:
+            raise upstream_error(504, "upstream /generate timed out") from None
+        except httpx.HTTPError as exc:
+            raise upstream_error(502, f"upstream unreachable: {type(exc).__name__}: {exc}") from None
+        if response.status_code != 200:
+            snippet = response.text[:300]
+            raise upstream_error(502, f"upstream /generate answered {response.status_code}: {snippet}")
+        return parse_generate_answer(response.content)
