@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
-from .errors import ProxyError, bad_request, error_response, forbidden, unauthorized, unavailable
+from .errors import ProxyError, bad_request, error_response, unauthorized, unavailable
 from .ids import (
     SESSION_ID_RULE,
     is_valid_session_id,

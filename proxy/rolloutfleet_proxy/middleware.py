@@ -30,10 +30,9 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         for name, value in scope["headers"]:
-            if name == b"content-length":
-                if not value.isdigit() or int(value) > self.max_bytes:
-                    await self._reject(send)
-                    return
+            if name == b"content-length" and (not value.isdigit() or int(value) > self.max_bytes):
+                await self._reject(send)
+                return
         seen = 0
 
         async def limited_receive() -> Message:

@@ -39,8 +39,8 @@ class Session:
     """Live state of a session. Mutated only while its lock is held (turns) or after it is detached."""
 
     __slots__ = (
-        "closed",
         "close_reason",
+        "closed",
         "created_at",
         "finished",
         "history_digest",

@@ -71,8 +71,8 @@ class ProxySettings(BaseSettings):
         if self.dump_dir is None and not self.allow_dropping_sessions:
             raise ValueError(
                 f"no dump directory: set {env_var_name('dump_dir')} (--dump-dir) so stale and drained "
-                f"sessions are written before they are dropped, or set {env_var_name('allow_dropping_sessions')}"
-                " (--allow-dropping-sessions) to drop them on purpose"
+                "sessions are written before they are dropped, or set "
+                f"{env_var_name('allow_dropping_sessions')} (--allow-dropping-sessions) to drop them"
             )
         return self
 
