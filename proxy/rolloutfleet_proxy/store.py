@@ -63,10 +63,10 @@ class SessionStore:
         self.tokens_held += tokens
 
     def remove(self, session_id: str, reason: str) -> Session:
-        """Remove a live session for good (DELETE): it is closed and remembered as ended."""
+        """Remove a live session for good (DELETE): later calls get 404, as for any unknown id."""
         session = self.get(session_id)
         del self._live[session_id]
-        self._end(session, reason)
+        self._end(session, reason, remember=False)
         return session
 
     def detach_stale(self, now: float, timeout_s: float) -> list[Session]:
@@ -96,11 +96,11 @@ class SessionStore:
         del self._live[session.session_id]
         self._detached[session.session_id] = session
 
-    def _end(self, session: Session, reason: str) -> None:
+    def _end(self, session: Session, reason: str, remember: bool = True) -> None:
         session.closed = True
         session.close_reason = reason
         self.tokens_held -= session.num_tokens
-        if self._tombstone_capacity:
+        if remember and self._tombstone_capacity:
             self._tombstones[session.session_id] = reason
             self._tombstones.move_to_end(session.session_id)
             while len(self._tombstones) > self._tombstone_capacity:
