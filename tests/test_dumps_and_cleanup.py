@@ -10,8 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load_file
-
 from rolloutfleet_proxy.cleanup import SessionWriter, StaleSessionCleaner
 from rolloutfleet_proxy.dumps import (
     LIVE_AREA,
@@ -27,14 +25,21 @@ from rolloutfleet_proxy.ids import key_digest
 from rolloutfleet_proxy.session import Session
 from rolloutfleet_proxy.stats import Counters, Gauges
 from rolloutfleet_proxy.store import SessionStore
+from safetensors.numpy import load_file
 
 
 def make_session(sid: str, turns: int = 2, idle_s: float = 0.0) -> Session:
     session = Session(sid, key_digest("key-" + sid), {"task": sid})
     for t in range(turns):
-        session.append_turn(array("i", [t, t + 1]), array("i", [40 + t] * 3), array("f", [-0.25 * (t + 1)] * 3),
-                            message_count=2 * (t + 1), history_digest=bytes([t]) * 32, stopped=t % 2 == 0,
-                            stop_token=43 if t % 2 == 0 else None)
+        session.append_turn(
+            array("i", [t, t + 1]),
+            array("i", [40 + t] * 3),
+            array("f", [-0.25 * (t + 1)] * 3),
+            message_count=2 * (t + 1),
+            history_digest=bytes([t]) * 32,
+            stopped=t % 2 == 0,
+            stop_token=43 if t % 2 == 0 else None,
+        )
     session.set_reward(2.0, None)
     session.last_active = time.monotonic() - idle_s
     return session
@@ -93,10 +98,19 @@ def test_loader_rejects_foreign_and_corrupt_files(tmp_path: Path):
         load_session_file(foreign)
 
 
-def make_cleaner(tmp_path: Path | None, store: SessionStore, counters: Counters, timeout_s: float = 10,
-                 drop: bool = False) -> StaleSessionCleaner:
-    return StaleSessionCleaner(store, SessionWriter(tmp_path, 4, counters), HeapTrimmer(), counters, Gauges(),
-                               timeout_s=timeout_s, interval_s=1, drop_without_dump=drop)
+def make_cleaner(
+    tmp_path: Path | None, store: SessionStore, counters: Counters, timeout_s: float = 10, drop: bool = False
+) -> StaleSessionCleaner:
+    return StaleSessionCleaner(
+        store,
+        SessionWriter(tmp_path, 4, counters),
+        HeapTrimmer(),
+        counters,
+        Gauges(),
+        timeout_s=timeout_s,
+        interval_s=1,
+        drop_without_dump=drop,
+    )
 
 
 async def test_cleanup_dumps_then_evicts_only_stale_idle_sessions(tmp_path: Path):
@@ -135,15 +149,22 @@ async def test_failed_dump_write_loses_nothing_and_is_retried(tmp_path: Path):
 
 
 async def test_cleanup_during_turn_waits_for_the_turn(tmp_path: Path):
-    """A session whose turn is in flight is not detached; once the turn ends and it idles, it is dumped whole."""
+    """A session in a turn is not detached; once the turn ends and it idles, it is dumped whole."""
     store, counters = SessionStore(), Counters()
     session = make_session("turning-01", turns=1, idle_s=60)
     store.add(session)
     cleaner = make_cleaner(tmp_path, store, counters, timeout_s=0.05)
     async with session.lock:
         assert await cleaner.run_once() == 0
-        session.append_turn(array("i", [9]), array("i", [8]), array("f", [-1.0]), message_count=4,
-                            history_digest=b"\x02" * 32, stopped=False, stop_token=None)
+        session.append_turn(
+            array("i", [9]),
+            array("i", [8]),
+            array("f", [-1.0]),
+            message_count=4,
+            history_digest=b"\x02" * 32,
+            stopped=False,
+            stop_token=None,
+        )
         session.touch()
     await asyncio.sleep(0.1)
     assert await cleaner.run_once() == 1

@@ -1,4 +1,4 @@
-"""Unit tests of the proxy's pure parts: history digests, sessions, the store, settings, heap, upstream parsing."""
+"""Unit tests of the proxy's pure parts: history, sessions, store, settings, heap, upstream parsing."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from array import array
 import orjson
 import pytest
 from pydantic import ValidationError
-
 from rolloutfleet_proxy.errors import ProxyError
 from rolloutfleet_proxy.heap import HeapTrimmer, resolve_malloc_trim
 from rolloutfleet_proxy.history import EMPTY_DIGEST, InvalidMessage, canonical_message, extend_digest
@@ -34,8 +33,13 @@ def test_canonical_message_drops_null_fields_and_joins_text_parts():
 
 @pytest.mark.parametrize(
     "message",
-    [{"role": "wizard", "content": "x"}, {"content": "x"}, "text", {"role": "user", "content": 5},
-     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    [
+        {"role": "wizard", "content": "x"},
+        {"content": "x"},
+        "text",
+        {"role": "user", "content": 5},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+    ],
 )
 def test_canonical_message_rejects_invalid(message):
     with pytest.raises(InvalidMessage):
@@ -46,7 +50,9 @@ def test_digest_is_order_and_content_sensitive():
     a, b = {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}
     assert extend_digest(EMPTY_DIGEST, [a, b]) == extend_digest(extend_digest(EMPTY_DIGEST, [a]), [b])
     assert extend_digest(EMPTY_DIGEST, [a, b]) != extend_digest(EMPTY_DIGEST, [b, a])
-    assert extend_digest(EMPTY_DIGEST, [a]) != extend_digest(EMPTY_DIGEST, [{"role": "user", "content": "a "}])
+    assert extend_digest(EMPTY_DIGEST, [a]) != extend_digest(
+        EMPTY_DIGEST, [{"role": "user", "content": "a "}]
+    )
 
 
 # --- ids -----------------------------------------------------------------------------------------
@@ -68,8 +74,13 @@ def test_generated_ids_and_keys():
 
 def record_turn(session: Session, n_in: int, n_out: int, first_id: int = 1) -> int:
     return session.append_turn(
-        array("i", range(first_id, first_id + n_in)), array("i", [7] * n_out), array("f", [-0.5] * n_out),
-        message_count=session.message_count + 2, history_digest=b"\x01" * 32, stopped=False, stop_token=None,
+        array("i", range(first_id, first_id + n_in)),
+        array("i", [7] * n_out),
+        array("f", [-0.5] * n_out),
+        message_count=session.message_count + 2,
+        history_digest=b"\x01" * 32,
+        stopped=False,
+        stop_token=None,
     )
 
 
@@ -77,14 +88,25 @@ async def test_session_arrays_are_typed_and_aligned():
     session = Session("session-1", key_digest("k"))
     assert record_turn(session, 3, 2) == 5
     assert record_turn(session, 1, 4, first_id=100) == 5
-    assert (session.token_ids.typecode, session.loss_mask.typecode, session.logprobs.typecode) == ("i", "B", "f")
+    assert (session.token_ids.typecode, session.loss_mask.typecode, session.logprobs.typecode) == (
+        "i",
+        "B",
+        "f",
+    )
     assert session.token_ids.tolist() == [1, 2, 3, 7, 7, 100, 7, 7, 7, 7]
     assert session.loss_mask.tolist() == [0, 0, 0, 1, 1, 0, 1, 1, 1, 1]
     assert session.logprobs.tolist() == [0, 0, 0, -0.5, -0.5, 0, -0.5, -0.5, -0.5, -0.5]
     assert session.turns() == [(0, 3, 5), (5, 6, 10)]
     with pytest.raises(ValueError):
-        session.append_turn(array("i"), array("i", [1]), array("f"), message_count=1, history_digest=b"",
-                            stopped=False, stop_token=None)
+        session.append_turn(
+            array("i"),
+            array("i", [1]),
+            array("f"),
+            message_count=1,
+            history_digest=b"",
+            stopped=False,
+            stop_token=None,
+        )
     assert session.num_tokens == 10  # a refused record changes nothing
 
 
@@ -199,11 +221,18 @@ def test_heap_trimmer_handles_missing_and_failing_symbol():
 
 
 def sglang_answer(ids, logprobs, finish=None, **extra):
-    return orjson.dumps({"text": "x", "output_ids": ids,
-                         "meta_info": {"finish_reason": finish or {"type": "length", "length": len(ids)},
-                                       "prompt_tokens": 3,
-                                       "output_token_logprobs": [[lp, i, None] for lp, i in zip(logprobs, ids)]},
-                         **extra})
+    return orjson.dumps(
+        {
+            "text": "x",
+            "output_ids": ids,
+            "meta_info": {
+                "finish_reason": finish or {"type": "length", "length": len(ids)},
+                "prompt_tokens": 3,
+                "output_token_logprobs": [[lp, i, None] for lp, i in zip(logprobs, ids, strict=True)],
+            },
+            **extra,
+        }
+    )
 
 
 def test_parse_generate_answer_keeps_exact_ids_and_logprobs():
@@ -216,9 +245,13 @@ def test_parse_generate_answer_keeps_exact_ids_and_logprobs():
 
 @pytest.mark.parametrize(
     "body",
-    [b"not json", b"{}", orjson.dumps({"meta_info": {}}),
-     orjson.dumps({"output_ids": [1, 2], "meta_info": {"output_token_logprobs": [[-0.1, 1, None]]}}),
-     orjson.dumps({"meta_info": {"output_token_logprobs": [["x"]]}})],
+    [
+        b"not json",
+        b"{}",
+        orjson.dumps({"meta_info": {}}),
+        orjson.dumps({"output_ids": [1, 2], "meta_info": {"output_token_logprobs": [[-0.1, 1, None]]}}),
+        orjson.dumps({"meta_info": {"output_token_logprobs": [["x"]]}}),
+    ],
 )
 def test_parse_generate_answer_rejects_inconsistent(body):
     with pytest.raises(ProxyError) as error:
@@ -230,12 +263,25 @@ def test_parse_generate_answer_rejects_inconsistent(body):
 
 
 def test_parse_chat_request_maps_sampling_and_rejects_bad_values():
-    req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 7,
-                              "temperature": 0.5, "stop": "x", "seed": 3, "unknown_param": 1}, 100)
+    req = parse_chat_request(
+        {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 7,
+            "temperature": 0.5,
+            "stop": "x",
+            "seed": 3,
+            "unknown_param": 1,
+        },
+        100,
+    )
     assert req.sampling_params == {"max_new_tokens": 7, "temperature": 0.5, "stop": ["x"], "sampling_seed": 3}
-    for bad in ({"messages": []}, {"messages": [{"role": "user", "content": "a"}], "n": 2},
-                {"messages": [{"role": "user", "content": "a"}], "temperature": "hot"},
-                {"messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, []):
+    for bad in (
+        {"messages": []},
+        {"messages": [{"role": "user", "content": "a"}], "n": 2},
+        {"messages": [{"role": "user", "content": "a"}], "temperature": "hot"},
+        {"messages": [{"role": "user", "content": "a"}], "max_tokens": 0},
+        [],
+    ):
         with pytest.raises(ProxyError) as error:
             parse_chat_request(bad, 100)
         assert error.value.status == 400

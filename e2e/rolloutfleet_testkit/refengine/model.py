@@ -1,0 +1,211 @@
+"""The CPU reference engine's model: a TEST STAND-IN for the LLM a GPU SGLang server would run.
+
+A tiny randomly initialised causal LM (embedding, one GRU layer, linear head). Its weights come
+only from a seed, so every process that loads it with the same seed computes the same logits;
+that lets tests check token ids and logprobs recorded elsewhere against `score()`.
+
+Logprob convention (the same as SGLang's `output_token_logprobs`): the log-softmax of the
+untempered logits at the chosen token. Temperature and top-p only change which token is chosen.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from typing import Literal, NamedTuple
+
+import torch
+from torch import nn
+
+EMBED_DIM = 48
+HIDDEN_DIM = 64
+
+# A random model almost never picks EOS by itself, so replies would always run to
+# max_new_tokens. This bonus is added to the EOS logit at output position n as n * bonus, so
+# replies end after roughly 8-40 tokens. It is part of the model's logits: the chosen token and
+# its reported logprob both come from the boosted logits, and score() applies it the same way.
+EOS_BONUS_PER_TOKEN = 0.4
+
+# Sampling without a seed still uses a fixed one: the stand-in is reproducible by design.
+DEFAULT_SAMPLING_SEED = 0
+
+Finish = Literal["stop", "length"]
+
+
+class GenerationResult(NamedTuple):
+    output_ids: list[int]
+    logprobs: list[float]
+    finish: Finish
+
+
+class TinyCausalLM(nn.Module):
+    """Embedding -> GRU -> linear head; float32 on CPU, weights drawn from `seed` only."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        seed: int = 0,
+        eos_token_id: int | None = None,
+        eos_bonus_per_token: float = EOS_BONUS_PER_TOKEN,
+    ) -> None:
+        super().__init__()
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be at least 2, got {vocab_size}")
+        if eos_token_id is not None and not 0 <= eos_token_id < vocab_size:
+            raise ValueError(f"eos_token_id {eos_token_id} outside vocabulary of {vocab_size}")
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.eos_token_id = eos_token_id
+        self.eos_bonus_per_token = eos_bonus_per_token
+        # The layers' default initialisers draw from the global RNG that torch.manual_seed
+        # controls; fork_rng puts its state back, and _init_weights overwrites every weight.
+        with torch.random.fork_rng(devices=[]):
+            self.embed = nn.Embedding(vocab_size, EMBED_DIM)
+            self.gru = nn.GRU(EMBED_DIM, HIDDEN_DIM, batch_first=True)
+            self.head = nn.Linear(HIDDEN_DIM, vocab_size)
+        self._init_weights(seed)
+        self.requires_grad_(False)  # inference only; also keeps worker threads free of autograd
+        self.eval()
+
+    def _init_weights(self, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        # Scales found by trying: a strong recurrence so the reply depends on the whole prompt,
+        # not only on its last few (template) tokens, and head logits spread over a few nats.
+        scales = {"embed": 1.0, "gru": 3.0 / HIDDEN_DIM**0.5, "head": 0.6}
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                param.copy_(values * scales[name.split(".")[0]])
+
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None):
+        """input_ids: 1-D LongTensor. Returns (logits [T, V], hidden state for continuing)."""
+        states, hidden = self.gru(self.embed(input_ids).unsqueeze(0), hidden)
+        return self.head(states.squeeze(0)), hidden
+
+    def final_logits(self, raw_logits: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
+        """The logits that decide output position(s) `position` (0-based): raw plus the EOS
+        bonus. Works for one step ([V], int) and for a teacher-forced block ([T, V], [T])."""
+        if self.eos_token_id is None:
+            return raw_logits
+        boosted = raw_logits.clone()
+        boosted[..., self.eos_token_id] += self.eos_bonus_per_token * position
+        return boosted
+
+
+def load_model(
+    tokenizer: str | os.PathLike | int, seed: int = 0, eos_token_id: int | None = None
+) -> TinyCausalLM:
+    """Build the model for a tokenizer directory (vocab = len(tokenizer), EOS = its eos token)
+    or for a plain vocabulary size (EOS bonus only if eos_token_id is given)."""
+    if isinstance(tokenizer, int):
+        return TinyCausalLM(tokenizer, seed=seed, eos_token_id=eos_token_id)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
+    eos = tok.eos_token_id if eos_token_id is None else eos_token_id
+    return TinyCausalLM(len(tok), seed=seed, eos_token_id=eos)
+
+
+def _check_ids(model: TinyCausalLM, ids: Iterable[int], what: str) -> list[int]:
+    ids = list(ids)
+    for token in ids:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < model.vocab_size:
+            raise ValueError(f"{what} holds {token!r}, not a token id in [0, {model.vocab_size})")
+    return ids
+
+
+def _nucleus_sample(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
+) -> int:
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+        # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
+        keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def iter_generate(
+    model: TinyCausalLM,
+    input_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_token_ids: Iterable[int] = (),
+) -> Iterator[tuple[int, float]]:
+    """Yield (token_id, logprob) one output token at a time; see `generate`.
+
+    Each step is independent of the calling thread (no thread-local grad mode is entered), so a
+    server may advance the iterator from different worker threads.
+    """
+    prompt = _check_ids(model, input_ids, "input_ids")
+    if not prompt:
+        raise ValueError("input_ids must not be empty")
+    if max_new_tokens < 0:
+        raise ValueError("max_new_tokens must be >= 0")
+    if temperature < 0:
+        raise ValueError("temperature must be >= 0")
+    if not 0 < top_p <= 1:
+        raise ValueError("top_p must be in (0, 1]")
+    stops = set(stop_token_ids)
+    generator = torch.Generator().manual_seed(DEFAULT_SAMPLING_SEED if seed is None else seed)
+    if max_new_tokens == 0:
+        return
+    logits, hidden = model(torch.tensor(prompt, dtype=torch.long))
+    raw = logits[-1]
+    for position in range(max_new_tokens):
+        final = model.final_logits(raw, position)
+        if temperature == 0:
+            token = int(torch.argmax(final))
+        else:
+            token = _nucleus_sample(final, temperature, top_p, generator)
+        yield token, float(torch.log_softmax(final, dim=-1)[token])
+        if token in stops or position + 1 == max_new_tokens:
+            return
+        logits, hidden = model(torch.tensor([token], dtype=torch.long), hidden)
+        raw = logits[-1]
+
+
+def generate(
+    model: TinyCausalLM,
+    input_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    stop_token_ids: Iterable[int] = (),
+) -> GenerationResult:
+    """Decode up to max_new_tokens after input_ids.
+
+    Greedy when temperature == 0, else nucleus sampling from a generator seeded with `seed`
+    (DEFAULT_SAMPLING_SEED when None). A generated stop token is kept in output_ids, as SGLang
+    does, and makes finish "stop"; otherwise finish is "length".
+    """
+    stops = set(stop_token_ids)
+    steps = list(iter_generate(model, input_ids, max_new_tokens, temperature, top_p, seed, stops))
+    output_ids = [token for token, _ in steps]
+    finish: Finish = "stop" if output_ids and output_ids[-1] in stops else "length"
+    return GenerationResult(output_ids, [logprob for _, logprob in steps], finish)
+
+
+def score(model: TinyCausalLM, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
+    """Teacher-forced logprobs of output_ids after prompt_ids, by the generate() convention.
+
+    The whole sequence goes through the GRU in one call (generate steps token by token), so this
+    is an independent check of what generate reported, equal to within float rounding.
+    """
+    prompt = _check_ids(model, prompt_ids, "prompt_ids")
+    outputs = _check_ids(model, output_ids, "output_ids")
+    if not prompt:
+        raise ValueError("prompt_ids must not be empty")
+    if not outputs:
+        return []
+    sequence = torch.tensor(prompt + outputs[:-1], dtype=torch.long)
+    logits, _ = model(sequence)
+    positions = torch.arange(len(outputs))
+    # Row len(prompt)-1+i predicts output position i.
+    decisive = model.final_logits(logits[len(prompt) - 1 :], positions)
+    logprobs = torch.log_softmax(decisive, dim=-1)[positions, torch.tensor(outputs)]
+    return logprobs.tolist()

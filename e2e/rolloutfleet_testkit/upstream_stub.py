@@ -1,0 +1,172 @@
+"""Fixed-latency upstream: a TEST STAND-IN for an SGLang server's `/generate`, for benchmarks
+and latency-controlled tests.
+
+Every `/generate` waits `latency_s` (asyncio, so any number of requests wait concurrently) and
+answers a fixed token sequence in SGLang's answer shape. It is a bare ASGI app with orjson and
+no model, so its own CPU cost per request stays far below the proxy's that it is used to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+
+import orjson
+
+SERVED_MODEL_NAME = "rolloutfleet-upstream-stub"
+# Every stub token gets this logprob (the stub has no model; a constant is easy to check).
+TOKEN_LOGPROB = -0.5
+
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+
+
+def stub_answer(body: object, output_tokens: int, token_id: int, latency_s: float) -> dict:
+    """The SGLang `/generate` answer for a request body (raises ValueError for a bad body)."""
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    sampling_params = body.get("sampling_params") or {}
+    if not isinstance(sampling_params, dict):
+        raise ValueError("sampling_params must be an object")
+    count = output_tokens
+    max_new_tokens = sampling_params.get("max_new_tokens")
+    if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
+        count = max(0, min(count, max_new_tokens))
+    input_ids = body.get("input_ids")
+    meta_info = {
+        "id": uuid.uuid4().hex,
+        "finish_reason": {"type": "length", "length": count},
+        "prompt_tokens": len(input_ids) if isinstance(input_ids, list) else 0,
+        "completion_tokens": count,
+        "cached_tokens": 0,
+        "e2e_latency": latency_s,
+    }
+    if body.get("return_logprob"):
+        meta_info["output_token_logprobs"] = [[TOKEN_LOGPROB, token_id, None]] * count
+    # The stub has no tokenizer: the text is a readable placeholder, one piece per token.
+    return {"text": f"<{token_id}>" * count, "output_ids": [token_id] * count, "meta_info": meta_info}
+
+
+class UpstreamStub:
+    """The ASGI app. `requests` counts the `/generate` answers sent."""
+
+    def __init__(self, latency_s: float, output_tokens: int, token_id: int = 42) -> None:
+        if latency_s < 0 or output_tokens < 0:
+            raise ValueError("latency_s and output_tokens must be >= 0")
+        self.latency_s = latency_s
+        self.output_tokens = output_tokens
+        self.token_id = token_id
+        self.requests = 0
+
+    def _info(self, scope: dict) -> dict:
+        # No model_path on purpose: sglang-router would try to fetch a tokenizer for it.
+        host, port = scope.get("server") or (None, None)
+        return {
+            "served_model_name": SERVED_MODEL_NAME,
+            "is_generation": True,
+            "latency_s": self.latency_s,
+            "output_tokens": self.output_tokens,
+            "token_id": self.token_id,
+            "host": host,
+            "port": port,
+            "version": "stub",
+        }
+
+    async def __call__(self, scope: dict, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        if path == "/generate":
+            if method != "POST":
+                await _send_json(send, 405, {"error": {"message": "use POST"}})
+                return
+            await self._generate(await _read_body(receive), send)
+            return
+        if method != "GET":
+            await _send_json(send, 405, {"error": {"message": "use GET"}})
+        elif path in ("/health", "/health_generate"):
+            await _send_json(send, 200, {})
+        elif path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
+            await _send_json(send, 200, self._info(scope))
+        elif path == "/stats":
+            await _send_json(send, 200, {"requests": self.requests})
+        else:
+            await _send_json(send, 404, {"error": {"message": f"no route {path}"}})
+
+    async def _generate(self, raw: bytes, send) -> None:
+        try:
+            answer = stub_answer(orjson.loads(raw), self.output_tokens, self.token_id, self.latency_s)
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            await _send_json(send, 400, {"error": {"message": str(exc)}})
+            return
+        started = time.perf_counter()
+        if self.latency_s > 0:
+            await asyncio.sleep(self.latency_s)
+        answer["meta_info"]["e2e_latency"] = time.perf_counter() - started
+        self.requests += 1
+        await _send_json(send, 200, answer)
+
+
+async def _read_body(receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+async def _send_json(send, status: int, payload: object) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
+    await send({"type": "http.response.body", "body": orjson.dumps(payload)})
+
+
+async def _lifespan(receive, send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def create_app(latency_s: float, output_tokens: int, token_id: int = 42) -> UpstreamStub:
+    return UpstreamStub(latency_s, output_tokens, token_id)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="rolloutfleet-upstream-stub",
+        description="Fixed-latency stand-in for an SGLang server's /generate (benchmarks, tests).",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--latency-s", type=float, default=0.1)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--token-id", type=int, default=42)
+    args = parser.parse_args(argv)
+
+    import uvicorn
+
+    # uvloop and httptools keep the stub's own overhead small; no access log for the same reason.
+    uvicorn.run(
+        create_app(args.latency_s, args.output_tokens, args.token_id),
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        log_level="warning",
+    )
+
+
+if __name__ == "__main__":
+    main()

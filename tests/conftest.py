@@ -1,0 +1,33 @@
+"""Shared test helpers: real servers on loopback sockets, real subprocesses, the test tokenizer.
+
+The helpers themselves live in `rolloutfleet_testkit.processes` (the demo and benchmarks use them too).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import Iterator
+
+import pytest
+from rolloutfleet_testkit.processes import serve_app
+
+# Nothing in the tests may reach a model hub; a hub lookup must fail fast instead of hanging.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session")
+def test_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    """The locally built test tokenizer, built once per test session."""
+    from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
+
+    return build_test_tokenizer(tmp_path_factory.mktemp("test-tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def refengine_url(test_tokenizer_dir: pathlib.Path) -> Iterator[str]:
+    """Base URL of a reference engine (seed 0, no delay) served for the whole test session."""
+    from rolloutfleet_testkit.refengine.server import create_app
+
+    with serve_app(create_app(str(test_tokenizer_dir), seed=0)) as url:
+        yield url

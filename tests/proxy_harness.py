@@ -1,0 +1,62 @@
+"""Starting proxies (in-process on real uvicorn sockets) in front of real upstreams, for the tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from rolloutfleet_proxy.app import create_app
+from rolloutfleet_proxy.runtime import ProxyRuntime
+from rolloutfleet_proxy.settings import ProxySettings
+from rolloutfleet_testkit.processes import serve_app
+
+ADMIN_KEY = "test-admin-key"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@dataclass
+class RunningProxy:
+    url: str
+    runtime: ProxyRuntime
+    dump_dir: Path | None
+
+    def create_session(self, **body) -> tuple[str, str]:
+        response = httpx.post(f"{self.url}/v1/sessions", headers=ADMIN, json=body)
+        assert response.status_code == 201, response.text
+        data = response.json()
+        return data["session_id"], data["session_key"]
+
+    def get(self, sid: str, key: str, tokens: bool = True) -> httpx.Response:
+        return httpx.get(
+            f"{self.url}/v1/sessions/{sid}",
+            params={"tokens": str(tokens).lower()},
+            headers={"Authorization": f"Bearer {key}"},
+        )
+
+    def stats(self) -> dict:
+        return httpx.get(f"{self.url}/stats").json()
+
+
+@contextlib.contextmanager
+def running_proxy(
+    upstream_url: str, tokenizer_dir: Path, dump_dir: Path | None, **overrides
+) -> Iterator[RunningProxy]:
+    settings = ProxySettings(
+        upstream_url=upstream_url,
+        tokenizer_path=str(tokenizer_dir),
+        admin_key=ADMIN_KEY,
+        dump_dir=dump_dir,
+        allow_dropping_sessions=dump_dir is None,
+        log_requests=False,
+        **overrides,
+    )
+    runtime = ProxyRuntime(settings)
+    with serve_app(create_app(settings, runtime)) as url:
+        yield RunningProxy(url, runtime, dump_dir)
+
+
+def chat_body(messages: list[dict], **params) -> dict:
+    return {"model": "rolloutfleet", "messages": messages, "max_tokens": 16, "temperature": 0.7, **params}

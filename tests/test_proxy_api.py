@@ -1,0 +1,440 @@
+"""The proxy over real sockets: real uvicorn servers on 127.0.0.1, the CPU reference engine upstream
+(a test stand-in for SGLang), the official openai client, real dump files."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import httpx
+import pytest
+from openai import OpenAI
+from proxy_harness import ADMIN, chat_body, running_proxy
+from rolloutfleet_proxy.dumps import STALE_AREA, load_session_file
+from rolloutfleet_testkit.processes import free_port, serve_app
+from rolloutfleet_testkit.refengine.model import load_model, score
+from rolloutfleet_testkit.refengine.server import create_app as create_engine_app
+from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
+from transformers import AutoTokenizer
+
+
+@pytest.fixture(scope="module")
+def engine_url(test_tokenizer_dir):
+    with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def slow_upstream_url():
+    """A fixed-latency upstream (test stand-in) slow enough to act during a turn."""
+    with serve_app(create_stub_app(latency_s=1.0, output_tokens=5)) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(test_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(str(test_tokenizer_dir))
+
+
+@pytest.fixture(scope="module")
+def model(test_tokenizer_dir):
+    return load_model(str(test_tokenizer_dir), seed=0)
+
+
+@pytest.fixture
+def proxy(engine_url, test_tokenizer_dir, tmp_path):
+    with running_proxy(engine_url, test_tokenizer_dir, tmp_path / "dumps") as p:
+        yield p
+
+
+def assert_matches_engine(model, trajectory: dict) -> None:
+    """Every recorded output token's logprob is what the engine's model computes for it in context."""
+    ids, mask, logprobs = trajectory["input_ids"], trajectory["loss_mask"], trajectory["logprobs"]
+    assert len(ids) == len(mask) == len(logprobs)
+    for start, out_start, end in trajectory["turns"]:
+        assert all(m == 0 for m in mask[start:out_start]) and all(m == 1 for m in mask[out_start:end])
+        expected = score(model, ids[:out_start], ids[out_start:end])
+        assert expected == pytest.approx(logprobs[out_start:end], abs=1e-4)
+
+
+def test_openai_client_multi_turn_is_token_exact(proxy, model, hf_tokenizer):
+    sid, key = proxy.create_session(metadata={"task": "t-1"})
+    client = OpenAI(base_url=f"{proxy.url}/v1/sessions/{sid}", api_key=key, max_retries=0)
+    messages = [{"role": "system", "content": "Be brief."}]
+    for i, question in enumerate(["Hello there!", "Tell me more.", "Why?"]):
+        messages.append({"role": "user", "content": question})
+        reply = client.chat.completions.create(
+            model="m", messages=messages, max_tokens=12, seed=i, logprobs=True
+        )
+        choice = reply.choices[0]
+        assert reply.usage.completion_tokens == len(choice.logprobs.content) > 0
+        messages.append(choice.message.model_dump())  # as rollout code does: None fields included
+    data = proxy.get(sid, key).json()
+    assert data["num_turns"] == 3 and data["metadata"] == {"task": "t-1"}
+    trajectory = data["trajectory"]
+    assert_matches_engine(model, trajectory)
+    # The stored ids extend turn by turn; the first turn is exactly the chat template's rendering.
+    first_prompt = hf_tokenizer.apply_chat_template(messages[:2], add_generation_prompt=True, tokenize=False)
+    _, out_start, _ = trajectory["turns"][0]
+    assert trajectory["input_ids"][:out_start] == hf_tokenizer.encode(first_prompt, add_special_tokens=False)
+    assert sum(trajectory["loss_mask"]) == sum(end - out for _, out, end in trajectory["turns"])
+
+
+def test_continuation_renders_like_the_full_template(proxy, hf_tokenizer):
+    """Appended ids decode to exactly what the chat template renders for the whole conversation, while
+    the model's own output ids are kept as generated (re-tokenizing its text would give other ids)."""
+    sid, key = proxy.create_session()
+    messages = []
+    auth = {"Authorization": f"Bearer {key}"}
+    for question in ["One?", "Two?", "Three?"]:
+        messages.append({"role": "user", "content": question})
+        answer = httpx.post(
+            f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+            headers=auth,
+            json=chat_body(messages, max_tokens=200, temperature=0),
+        ).json()
+        assert answer["choices"][0]["finish_reason"] == "stop"  # the engine's EOS bonus ends replies
+        messages.append({"role": "assistant", "content": answer["choices"][0]["message"]["content"]})
+    trajectory = proxy.get(sid, key).json()["trajectory"]
+    ids = trajectory["input_ids"]
+    rendered = hf_tokenizer.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=False)
+    _, last_out, last_end = trajectory["turns"][-1]
+    assert hf_tokenizer.decode(ids[:last_out], skip_special_tokens=False) == rendered
+    assert ids[last_end - 1] == hf_tokenizer.eos_token_id
+    # Each non-generated segment is exactly the tokenization of its own text.
+    for start, out_start, _ in trajectory["turns"]:
+        segment_text = hf_tokenizer.decode(ids[start:out_start], skip_special_tokens=False)
+        assert ids[start:out_start] == hf_tokenizer.encode(segment_text, add_special_tokens=False)
+
+
+def test_stream_returns_sse_of_the_recorded_reply(proxy):
+    sid, key = proxy.create_session()
+    client = OpenAI(base_url=f"{proxy.url}/v1/sessions/{sid}", api_key=key, max_retries=0)
+    stream = client.chat.completions.create(
+        model="m",
+        messages=[{"role": "user", "content": "Stream please"}],
+        max_tokens=10,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    text, usage, finish = "", None, None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+    assert finish in ("stop", "length") and usage.completion_tokens > 0
+    data = proxy.get(sid, key).json()
+    assert data["num_turns"] == 1 and sum(data["trajectory"]["loss_mask"]) == usage.completion_tokens
+    # The streamed text is the recorded reply: sending it back as history is accepted.
+    follow = client.chat.completions.create(
+        model="m",
+        max_tokens=4,
+        messages=[
+            {"role": "user", "content": "Stream please"},
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "again"},
+        ],
+    )
+    assert follow.choices[0].message.content is not None
+
+
+@pytest.mark.router
+def test_through_the_real_sglang_router(engine_url, test_tokenizer_dir, model, tmp_path):
+    from rolloutfleet_testkit.processes import ServerProcess, python_module
+
+    port = free_port()
+    router = ServerProcess(
+        python_module(
+            "sglang_router.launch_router",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            engine_url,
+            "--policy",
+            "round_robin",
+            "--log-level",
+            "warn",
+        ),
+        tmp_path / "router.log",
+    )
+    with router:
+        router.wait_ready(f"http://127.0.0.1:{port}/health", 60)
+        with running_proxy(f"http://127.0.0.1:{port}", test_tokenizer_dir, tmp_path / "dumps") as proxy:
+            sid, key = proxy.create_session()
+            client = OpenAI(base_url=f"{proxy.url}/v1/sessions/{sid}", api_key=key, max_retries=0)
+            messages = [{"role": "user", "content": "via the router"}]
+            for _ in range(2):
+                reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+                messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": "more"}]
+            assert_matches_engine(model, proxy.get(sid, key).json()["trajectory"])
+
+
+# --- concurrency -------------------------------------------------------------------------------
+
+
+async def test_concurrent_turns_on_one_session_one_wins(slow_upstream_url, test_tokenizer_dir, tmp_path):
+    with running_proxy(slow_upstream_url, test_tokenizer_dir, tmp_path / "d") as proxy:
+        sid, key = proxy.create_session()
+        url = f"{proxy.url}/v1/sessions/{sid}/chat/completions"
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=30) as client:
+            body = chat_body([{"role": "user", "content": "race"}])
+            results = await asyncio.gather(*(client.post(url, json=body) for _ in range(5)))
+        codes = sorted(r.status_code for r in results)
+        assert codes == [200, 409, 409, 409, 409]
+        assert {r.json()["error"]["code"] for r in results if r.status_code == 409} == {"session_busy"}
+        data = proxy.get(sid, key).json()
+        assert data["num_turns"] == 1 and data["num_tokens"] == len(data["trajectory"]["input_ids"])
+        assert proxy.stats()["totals"]["turns_busy_rejected"] == 4
+
+
+async def test_delete_during_turn_cancels_it(slow_upstream_url, test_tokenizer_dir, tmp_path):
+    with running_proxy(slow_upstream_url, test_tokenizer_dir, tmp_path / "d") as proxy:
+        sid, key = proxy.create_session()
+        auth = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(base_url=proxy.url, headers=auth, timeout=30) as client:
+            turn = asyncio.create_task(
+                client.post(
+                    f"/v1/sessions/{sid}/chat/completions", json=chat_body([{"role": "user", "content": "x"}])
+                )
+            )
+            await asyncio.sleep(0.3)
+            started = time.monotonic()
+            deleted = await client.delete(f"/v1/sessions/{sid}")
+            turn_response = await turn
+            assert time.monotonic() - started < 0.6  # cancelled, not waited out
+            later = await client.get(f"/v1/sessions/{sid}")
+        assert deleted.status_code == 204
+        assert turn_response.status_code == 410 and turn_response.json()["error"]["code"] == "session_deleted"
+        assert later.status_code == 404
+        stats = proxy.stats()
+        assert stats["live_sessions"] == 0 and stats["tokens_held"] == 0 and stats["inflight_turns"] == 0
+
+
+async def test_cleanup_during_turn_never_splits_it(slow_upstream_url, test_tokenizer_dir, tmp_path):
+    """Stale timeout shorter than the turn: the busy session is not dumped mid-turn; once idle it is,
+    with the turn in it, and the client then learns it ended (410) rather than being served empty."""
+    dumps = tmp_path / "d"
+    with running_proxy(
+        slow_upstream_url, test_tokenizer_dir, dumps, stale_session_timeout_s=0.3, cleanup_interval_s=0.1
+    ) as proxy:
+        sid, key = proxy.create_session()
+        auth = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(base_url=proxy.url, headers=auth, timeout=30) as client:
+            response = await client.post(
+                f"/v1/sessions/{sid}/chat/completions",
+                json=chat_body([{"role": "user", "content": "long turn"}]),
+            )
+            assert response.status_code == 200
+            for _ in range(50):
+                if proxy.stats()["totals"]["sessions_dumped"]:
+                    break
+                await asyncio.sleep(0.1)
+            later = await client.get(f"/v1/sessions/{sid}")
+        assert later.status_code == 410 and "dumped" in later.json()["error"]["message"]
+        (path,) = (dumps / STALE_AREA).iterdir()
+        record = load_session_file(path)
+        assert record.session_id == sid and len(record.turn_bounds) == 3
+        assert list(record.loss_mask).count(1) == 5  # the stub's 5 output tokens, recorded once
+
+
+# --- failures and bad input --------------------------------------------------------------------
+
+
+def test_upstream_failures_leave_session_untouched(test_tokenizer_dir, tmp_path, proxy):
+    sid, key = proxy.create_session()
+    auth = {"Authorization": f"Bearer {key}"}
+    first = httpx.post(
+        f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+        headers=auth,
+        json=chat_body([{"role": "user", "content": "ok"}]),
+    )
+    assert first.status_code == 200
+    before = proxy.get(sid, key).json()
+    messages = [
+        {"role": "user", "content": "ok"},
+        first.json()["choices"][0]["message"],
+        {"role": "user", "content": "again"},
+    ]
+    # Same session store, but pointed at a dead upstream and at one slower than the timeout.
+    dead_port = free_port()
+    for upstream, timeout, expected in ((f"http://127.0.0.1:{dead_port}", 5.0, 502), (None, 0.3, 504)):
+        with serve_app(create_stub_app(latency_s=2.0, output_tokens=3)) as slow:
+            from rolloutfleet_proxy.upstream import SGLangClient
+
+            original = proxy.runtime.turns._upstream
+            proxy.runtime.turns._upstream = SGLangClient(upstream or slow, timeout, 4)
+            try:
+                failed = httpx.post(
+                    f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+                    headers=auth,
+                    json=chat_body(messages),
+                    timeout=30,
+                )
+            finally:
+                proxy.runtime.turns._upstream = original
+        assert failed.status_code == expected, failed.text
+        assert failed.json()["error"]["code"] in ("upstream_error", "upstream_timeout")
+        assert proxy.get(sid, key).json() == before
+    retried = httpx.post(
+        f"{proxy.url}/v1/sessions/{sid}/chat/completions", headers=auth, json=chat_body(messages)
+    )
+    assert retried.status_code == 200 and proxy.get(sid, key).json()["num_turns"] == 2
+
+
+def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
+    sid, key = proxy.create_session()
+    other_sid, other_key = proxy.create_session()
+    auth = {"Authorization": f"Bearer {key}"}
+    chat = f"{proxy.url}/v1/sessions/{sid}/chat/completions"
+    good = chat_body([{"role": "user", "content": "hi"}])
+    assert httpx.post(chat, headers=auth, json=good).status_code == 200
+    before = proxy.get(sid, key).json()
+    huge = b'{"messages": [{"role": "user", "content": "' + b"x" * (9 * 1024 * 1024) + b'"}]}'
+
+    def chunks():
+        yield huge[: 1024 * 1024]
+        yield huge[1024 * 1024 :]
+
+    cases = [
+        (
+            "malformed json",
+            lambda: httpx.post(
+                chat, headers={**auth, "content-type": "application/json"}, content=b'{"messages": ['
+            ),
+        ),
+        ("not an object", lambda: httpx.post(chat, headers=auth, json=[1, 2])),
+        ("bad role", lambda: httpx.post(chat, headers=auth, json=chat_body([{"role": "x", "content": "a"}]))),
+        ("oversized body", lambda: httpx.post(chat, headers=auth, content=huge)),
+        ("oversized chunked body", lambda: httpx.post(chat, headers=auth, content=chunks())),
+        (
+            "path-like id",
+            lambda: httpx.post(
+                f"{proxy.url}/v1/sessions/..%2F..%2Fetc/chat/completions", headers=auth, json=good
+            ),
+        ),
+        ("dotted id", lambda: httpx.get(f"{proxy.url}/v1/sessions/abc..defgh", headers=auth)),
+        ("overlong id", lambda: httpx.get(f"{proxy.url}/v1/sessions/{'a' * 65}", headers=auth)),
+        ("missing key", lambda: httpx.post(chat, json=good)),
+        ("wrong key", lambda: httpx.post(chat, headers={"Authorization": "Bearer nope"}, json=good)),
+        (
+            "another session's key",
+            lambda: httpx.post(chat, headers={"Authorization": f"Bearer {other_key}"}, json=good),
+        ),
+        ("unknown session", lambda: httpx.get(f"{proxy.url}/v1/sessions/unknown-session-1", headers=ADMIN)),
+        ("session key on admin route", lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=auth)),
+        (
+            "history diverged",
+            lambda: httpx.post(
+                chat,
+                headers=auth,
+                json=chat_body(
+                    [
+                        {"role": "user", "content": "not what was said"},
+                        {"role": "assistant", "content": "?"},
+                        {"role": "user", "content": "next"},
+                    ]
+                ),
+            ),
+        ),
+        ("no new messages", lambda: httpx.post(chat, headers=auth, json=good)),
+        (
+            "client-chosen id taken",
+            lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"session_id": other_sid}),
+        ),
+        (
+            "bad reward",
+            lambda: httpx.post(
+                f"{proxy.url}/v1/sessions/{sid}/reward", headers=auth, json={"reward": "high"}
+            ),
+        ),
+        (
+            "reward turn out of range",
+            lambda: httpx.post(
+                f"{proxy.url}/v1/sessions/{sid}/reward", headers=auth, json={"reward": 1, "turn": 7}
+            ),
+        ),
+        (
+            "bad metadata",
+            lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"metadata": "x"}),
+        ),
+    ]
+    expected = {
+        "malformed json": 400,
+        "not an object": 400,
+        "bad role": 400,
+        "oversized body": 413,
+        "oversized chunked body": 413,
+        "path-like id": 404,
+        "dotted id": 400,
+        "overlong id": 400,
+        "missing key": 401,
+        "wrong key": 401,
+        "another session's key": 401,
+        "unknown session": 404,
+        "session key on admin route": 401,
+        "history diverged": 409,
+        "no new messages": 400,
+        "client-chosen id taken": 409,
+        "bad reward": 400,
+        "reward turn out of range": 400,
+        "bad metadata": 400,
+    }
+    for name, call in cases:
+        response = call()
+        assert response.status_code == expected[name], (name, response.text[:300])
+        error = response.json()["error"]
+        assert error["code"] and error["message"], name
+    assert proxy.get(sid, key).json() == before
+    stats = proxy.stats()
+    assert stats["live_sessions"] == 2 and stats["totals"]["turns"] == 1
+
+
+def test_reward_finish_and_metrics(proxy):
+    sid, key = proxy.create_session()
+    auth = {"Authorization": f"Bearer {key}"}
+    chat = f"{proxy.url}/v1/sessions/{sid}/chat/completions"
+    assert (
+        httpx.post(chat, headers=auth, json=chat_body([{"role": "user", "content": "a"}])).status_code == 200
+    )
+    assert httpx.post(
+        f"{proxy.url}/v1/sessions/{sid}/reward", headers=auth, json={"reward": 0.5, "turn": 0}
+    ).is_success
+    assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", headers=auth, json={"reward": 1}).is_success
+    finished = httpx.post(f"{proxy.url}/v1/sessions/{sid}/finish", headers=auth).json()
+    assert finished["finished"] and finished["reward"] == 1.0 and finished["turn_rewards"] == {"0": 0.5}
+    after = httpx.post(chat, headers=auth, json=chat_body([{"role": "user", "content": "b"}]))
+    assert after.status_code == 409 and after.json()["error"]["code"] == "session_finished"
+    stats = proxy.stats()
+    for field in (
+        "pid",
+        "rss_bytes",
+        "vms_bytes",
+        "live_sessions",
+        "tokens_held",
+        "inflight_turns",
+        "last_cleanup_seconds",
+        "trim_available",
+    ):
+        assert field in stats
+    assert stats["rss_bytes"] > 10_000_000 and stats["tokens_held"] > 0
+    assert stats["totals"]["sessions_created"] == 1 and stats["totals"]["sessions_finished"] == 1
+    metrics = httpx.get(f"{proxy.url}/metrics").text
+    assert f"rolloutfleet_proxy_tokens_held {float(stats['tokens_held'])}" in metrics
+    assert "rolloutfleet_proxy_turns_total 1.0" in metrics
+    listing = httpx.get(f"{proxy.url}/v1/sessions", headers=ADMIN).json()
+    assert listing["total"] == 1 and listing["sessions"][0]["session_id"] == sid
+    assert httpx.get(f"{proxy.url}/healthz").status_code == 200
+    assert httpx.get(f"{proxy.url}/readyz").status_code == 200
+
+
+def test_logprob_values_are_finite(proxy):
+    sid, key = proxy.create_session()
+    client = OpenAI(base_url=f"{proxy.url}/v1/sessions/{sid}", api_key=key, max_retries=0)
+    client.chat.completions.create(model="m", messages=[{"role": "user", "content": "z"}], max_tokens=6)
+    logprobs = proxy.get(sid, key).json()["trajectory"]["logprobs"]
+    assert all(math.isfinite(x) and x <= 0 for x in logprobs)

@@ -1,0 +1,164 @@
+"""Restart without loss: a proxy process drains and dumps on SIGTERM, its successor restores and continues."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from proxy_harness import ADMIN, ADMIN_KEY, chat_body
+from rolloutfleet_proxy.dumps import LIVE_AREA
+from rolloutfleet_testkit.processes import ServerProcess, free_port, python_module, serve_app
+from rolloutfleet_testkit.refengine.server import create_app as create_engine_app
+
+
+@pytest.fixture(scope="module")
+def engine_url(test_tokenizer_dir):
+    # A little latency so a turn can be in flight when SIGTERM arrives.
+    with serve_app(create_engine_app(str(test_tokenizer_dir), seed=1, delay_s=0.3)) as url:
+        yield url
+
+
+def start_proxy(engine_url: str, tokenizer_dir: Path, dump_dir: Path, log: Path) -> tuple[ServerProcess, str]:
+    port = free_port()
+    process = ServerProcess(
+        python_module(
+            "rolloutfleet_proxy",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--upstream-url",
+            engine_url,
+            "--tokenizer-path",
+            str(tokenizer_dir),
+            "--dump-dir",
+            str(dump_dir),
+            "--drain-grace-s",
+            "10",
+        ),
+        log,
+        env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
+    )
+    url = f"http://127.0.0.1:{port}"
+    process.wait_ready(f"{url}/readyz", 90)
+    return process, url
+
+
+async def run_turn(client: httpx.AsyncClient, sid: str, key: str, messages: list[dict]) -> httpx.Response:
+    return await client.post(
+        f"/v1/sessions/{sid}/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json=chat_body(messages, max_tokens=8),
+    )
+
+
+async def test_sigterm_drains_dumps_and_successor_continues(engine_url, test_tokenizer_dir, tmp_path):
+    dumps = tmp_path / "dumps"
+    first, url = start_proxy(engine_url, test_tokenizer_dir, dumps, tmp_path / "first.log")
+    conversations: dict[str, tuple[str, list[dict]]] = {}
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            for i in range(4):
+                created = (await client.post("/v1/sessions", headers=ADMIN)).json()
+                sid, key = created["session_id"], created["session_key"]
+                messages = [{"role": "user", "content": f"session {i} turn 0"}]
+                for turn in range(2):
+                    reply = await run_turn(client, sid, key, messages)
+                    assert reply.status_code == 200, reply.text
+                    messages += [
+                        reply.json()["choices"][0]["message"],
+                        {"role": "user", "content": f"session {i} turn {turn + 1}"},
+                    ]
+                conversations[sid] = (key, messages)
+            before = {
+                sid: (
+                    await client.get(
+                        f"/v1/sessions/{sid}",
+                        params={"tokens": "true"},
+                        headers={"Authorization": f"Bearer {key}"},
+                    )
+                ).json()
+                for sid, (key, _) in conversations.items()
+            }
+            # A turn in flight when SIGTERM lands must finish, be recorded and delivered.
+            sid0, (key0, messages0) = next(iter(conversations.items()))
+            in_flight = asyncio.create_task(run_turn(client, sid0, key0, messages0))
+            await asyncio.sleep(0.1)
+            first.process.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.05)
+            refused = await client.post("/v1/sessions", headers=ADMIN)
+            ready = await client.get("/readyz")
+            delivered = await in_flight
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert ready.status_code == 503
+        assert delivered.status_code == 200
+        messages0 += [delivered.json()["choices"][0]["message"], {"role": "user", "content": "after restart"}]
+        assert first.process.wait(30) == 0
+    finally:
+        first.terminate()
+    assert sorted(p.stem for p in (dumps / LIVE_AREA).glob("*.safetensors")) == sorted(conversations)
+
+    second, url = start_proxy(engine_url, test_tokenizer_dir, dumps, tmp_path / "second.log")
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            stats = (await client.get("/stats")).json()
+            assert stats["live_sessions"] == 4 and stats["totals"]["sessions_restored"] == 4
+            assert list((dumps / LIVE_AREA).glob("*.safetensors")) == []
+            for sid, (key, messages) in conversations.items():
+                restored = (
+                    await client.get(
+                        f"/v1/sessions/{sid}",
+                        params={"tokens": "true"},
+                        headers={"Authorization": f"Bearer {key}"},
+                    )
+                ).json()
+                old = before[sid]["trajectory"]
+                # All earlier turns intact: the restored ids start with exactly what was there before.
+                assert restored["trajectory"]["input_ids"][: len(old["input_ids"])] == old["input_ids"]
+                assert restored["trajectory"]["logprobs"][: len(old["logprobs"])] == old["logprobs"]
+                expected_turns = 3 if sid == sid0 else 2
+                assert restored["num_turns"] == expected_turns
+                reply = await run_turn(client, sid, key, messages)  # continues with the same key and history
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["rolloutfleet"]["turn"] == expected_turns
+    finally:
+        assert second.terminate() == 0
+
+
+def test_refuses_to_start_without_dump_dir(test_tokenizer_dir, tmp_path):
+    process = ServerProcess(
+        python_module(
+            "rolloutfleet_proxy",
+            "--port",
+            str(free_port()),
+            "--upstream-url",
+            "http://127.0.0.1:1",
+            "--tokenizer-path",
+            str(test_tokenizer_dir),
+        ),
+        tmp_path / "refused.log",
+        env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
+    )
+    deadline = time.monotonic() + 60
+    while process.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process.terminate() == 2
+    assert "no dump directory" in process.log_path.read_text()
+
+
+def test_corrupt_live_dump_is_kept_aside_not_deleted(engine_url, test_tokenizer_dir, tmp_path):
+    dumps = tmp_path / "dumps"
+    (dumps / LIVE_AREA).mkdir(parents=True)
+    (dumps / LIVE_AREA / "broken-session.safetensors").write_bytes(b"garbage")
+    process, url = start_proxy(engine_url, test_tokenizer_dir, dumps, tmp_path / "p.log")
+    try:
+        stats = httpx.get(f"{url}/stats").json()
+        assert stats["totals"]["restore_failures"] == 1 and stats["live_sessions"] == 0
+        (kept,) = (dumps / "corrupt").iterdir()
+        assert kept.read_bytes() == b"garbage"
+    finally:
+        assert process.terminate() == 0
