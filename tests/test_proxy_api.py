@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 
@@ -12,7 +13,7 @@ import pytest
 from openai import OpenAI
 from proxy_harness import ADMIN, chat_body, running_proxy
 from rolloutfleet_proxy.dumps import STALE_AREA, load_session_file
-from rolloutfleet_testkit.processes import free_port, serve_app
+from rolloutfleet_testkit.processes import ServerProcess, free_port, python_module, serve_app
 from rolloutfleet_testkit.refengine.model import load_model, score
 from rolloutfleet_testkit.refengine.server import create_app as create_engine_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
@@ -141,37 +142,52 @@ def test_stream_returns_sse_of_the_recorded_reply(proxy):
     assert follow.choices[0].message.content is not None
 
 
+def wait_until_routed(router_url: str, timeout_s: float = 60) -> None:
+    """The router answers /health before its worker is registered; wait until /generate goes through."""
+    deadline = time.monotonic() + timeout_s
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.post(f"{router_url}/generate", json=body, timeout=5).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError("the router never routed /generate to the engine")
+
+
 @pytest.mark.router
 def test_through_the_real_sglang_router(engine_url, test_tokenizer_dir, model, tmp_path):
-    from rolloutfleet_testkit.processes import ServerProcess, python_module
-
-    port = free_port()
-    router = ServerProcess(
-        python_module(
-            "sglang_router.launch_router",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--worker-urls",
-            engine_url,
-            "--policy",
-            "round_robin",
-            "--log-level",
-            "warn",
-        ),
-        tmp_path / "router.log",
+    port, metrics_port = free_port(), free_port()
+    router_url = f"http://127.0.0.1:{port}"
+    args = python_module(
+        "sglang_router.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        engine_url,
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "warn",
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
     )
-    with router:
-        router.wait_ready(f"http://127.0.0.1:{port}/health", 60)
-        with running_proxy(f"http://127.0.0.1:{port}", test_tokenizer_dir, tmp_path / "dumps") as proxy:
+    with ServerProcess(args, tmp_path / "router.log") as router:
+        router.wait_ready(f"{router_url}/health", 60)
+        wait_until_routed(router_url)
+        with running_proxy(router_url, test_tokenizer_dir, tmp_path / "dumps") as proxy:
             sid, key = proxy.create_session()
             client = OpenAI(base_url=f"{proxy.url}/v1/sessions/{sid}", api_key=key, max_retries=0)
             messages = [{"role": "user", "content": "via the router"}]
-            for _ in range(2):
-                reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8)
+            for turn in range(2):
+                reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8, seed=turn)
                 messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": "more"}]
-            assert_matches_engine(model, proxy.get(sid, key).json()["trajectory"])
+            data = proxy.get(sid, key).json()
+            assert data["num_turns"] == 2
+            assert_matches_engine(model, data["trajectory"])
 
 
 # --- concurrency -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from proxy_harness import ADMIN, ADMIN_KEY, chat_body
 from rolloutfleet_proxy.dumps import LIVE_AREA
-from rolloutfleet_testkit.processes import ServerProcess, free_port, python_module, serve_app
+from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, serve_app
 from rolloutfleet_testkit.refengine.server import create_app as create_engine_app
 
 
@@ -25,8 +25,7 @@ def engine_url(test_tokenizer_dir):
 def start_proxy(engine_url: str, tokenizer_dir: Path, dump_dir: Path, log: Path) -> tuple[ServerProcess, str]:
     port = free_port()
     process = ServerProcess(
-        python_module(
-            "rolloutfleet_proxy",
+        proxy_command(
             "--host",
             "127.0.0.1",
             "--port",
@@ -131,8 +130,7 @@ async def test_sigterm_drains_dumps_and_successor_continues(engine_url, test_tok
 
 def test_refuses_to_start_without_dump_dir(test_tokenizer_dir, tmp_path):
     process = ServerProcess(
-        python_module(
-            "rolloutfleet_proxy",
+        proxy_command(
             "--port",
             str(free_port()),
             "--upstream-url",

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 from openai import AsyncOpenAI
 
-from rolloutfleet_testkit.processes import ServerProcess, free_port, python_module
+from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, python_module
 from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
 
 ADMIN_KEY = "demo-admin-key"
@@ -86,8 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.wait_ready(f"{engine_url}/health", 120)
         step(f"starting the proxy on {proxy_url} (dumps in {work / 'dumps'})")
         proxy = ServerProcess(
-            python_module(
-                "rolloutfleet_proxy",
+            proxy_command(
                 "--host",
                 "127.0.0.1",
                 "--port",

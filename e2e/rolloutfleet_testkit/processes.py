@@ -154,3 +154,13 @@ class ServerProcess:
 def python_module(module: str, *args: str) -> list[str]:
     """Command line running a module with this interpreter (works without console scripts on PATH)."""
     return [sys.executable, "-m", module, *args]
+
+
+def proxy_command(*args: str) -> list[str]:
+    """Command line running the proxy, from the proxy-only environment when one is configured.
+
+    `./dev` sets ROLLOUTFLEET_PROXY_PYTHON to an environment with just `rolloutfleet[proxy]`, like
+    the proxy image; without it (or torch would be importable) the current interpreter is used.
+    """
+    python = os.environ.get("ROLLOUTFLEET_PROXY_PYTHON") or sys.executable
+    return [python, "-m", "rolloutfleet_proxy", *args]

@@ -8,6 +8,7 @@ found by rendering the new messages after a fixed probe exchange and taking the 
 
 from __future__ import annotations
 
+import os
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,8 @@ class TurnTokenizer:
 
     @classmethod
     def from_path(cls, path: str) -> TurnTokenizer:
+        # The proxy runs without torch; transformers would print an advisory about it on stderr.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         from transformers import AutoTokenizer  # heavy import, only where a tokenizer is loaded
 
         return cls(AutoTokenizer.from_pretrained(path, local_files_only=True))
