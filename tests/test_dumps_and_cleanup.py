@@ -178,3 +178,26 @@ async def test_dropping_without_dump_dir_only_when_chosen():
     store.add(make_session("dropme-001", idle_s=60))
     assert await make_cleaner(None, store, counters, drop=True).run_once() == 1
     assert counters.sessions_dropped == 1 and len(store) == 0
+
+
+async def test_cleanup_trims_the_heap_after_deletions_too():
+    store, counters = SessionStore(), Counters()
+    calls = []
+    cleaner = StaleSessionCleaner(
+        store,
+        SessionWriter(None, 1, counters),
+        HeapTrimmer(trim_fn=calls.append),
+        counters,
+        Gauges(),
+        timeout_s=10,
+        interval_s=1,
+        drop_without_dump=True,
+    )
+    await cleaner.run_once()
+    assert calls == []  # nothing left memory: no trim
+    store.add(make_session("deleted-01"))
+    store.remove("deleted-01", "deleted by the client")
+    counters.sessions_evicted += 1  # as the DELETE route counts it
+    await cleaner.run_once()
+    await cleaner.run_once()
+    assert calls == [0] and counters.heap_trims == 1

@@ -285,3 +285,29 @@ def test_parse_chat_request_maps_sampling_and_rejects_bad_values():
         with pytest.raises(ProxyError) as error:
             parse_chat_request(bad, 100)
         assert error.value.status == 400
+
+
+def test_loop_lag_monitor_windows_the_maximum():
+    from rolloutfleet_proxy.looplag import LoopLagMonitor
+
+    monitor = LoopLagMonitor(window_s=3)
+    monitor.record(0.5, now=100.2)
+    monitor.record(0.01, now=101.0)
+    monitor.record(0.02, now=101.5)
+    assert monitor.recent_max(101.9) == 0.5 and monitor.max_s == 0.5
+    assert monitor.recent_max(103.5) == 0.02  # the 0.5 s stall has left the 3 s window
+    assert monitor.recent_max(110.0) == 0.0 and monitor.max_s == 0.5
+
+
+async def test_loop_lag_monitor_sees_a_blocking_call():
+    import asyncio
+
+    from rolloutfleet_proxy.looplag import LoopLagMonitor
+
+    monitor = LoopLagMonitor(interval_s=0.005)
+    task = asyncio.create_task(monitor.run())
+    await asyncio.sleep(0.02)
+    time.sleep(0.1)  # noqa: ASYNC251 (blocks the loop on purpose)
+    await asyncio.sleep(0.02)
+    task.cancel()
+    assert 0.08 < monitor.max_s < 1.0

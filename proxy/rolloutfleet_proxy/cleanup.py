@@ -84,6 +84,7 @@ class StaleSessionCleaner:
         self.timeout_s = timeout_s
         self.interval_s = interval_s
         self._drop_without_dump = drop_without_dump
+        self._departed_at_last_trim = 0
 
     async def run_once(self) -> int:
         """Dump and evict every stale session; returns how many left memory."""
@@ -108,7 +109,11 @@ class StaleSessionCleaner:
                 self._counters.sessions_evicted += len(outcome.written)
                 evicted = len(outcome.written)
             del stale
-            if evicted and self._trimmer.available and await asyncio.to_thread(self._trimmer.trim):
+        # Trim when anything left memory since the last trim: stale dumps here, but also DELETEs.
+        departed = self._counters.sessions_evicted + self._counters.sessions_dropped
+        if departed != self._departed_at_last_trim and self._trimmer.available:
+            self._departed_at_last_trim = departed
+            if await asyncio.to_thread(self._trimmer.trim):
                 self._counters.heap_trims += 1
         self._counters.cleanup_cycles += 1
         self._gauges.last_cleanup_seconds = round(time.monotonic() - started, 6)

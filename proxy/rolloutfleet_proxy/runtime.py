@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from .chat_tokens import TurnTokenizer
@@ -12,6 +13,7 @@ from .cleanup import SessionWriter, StaleSessionCleaner
 from .dumps import LIVE_AREA, DumpFormatError, list_live_dumps, load_session_file, quarantine
 from .errors import ProxyError
 from .heap import HeapTrimmer
+from .looplag import LoopLagMonitor
 from .session import Session
 from .settings import ProxySettings
 from .stats import Counters, Gauges, build_stats
@@ -33,6 +35,7 @@ class ProxyRuntime:
         self.trimmer = HeapTrimmer(enabled=settings.trim_heap)
         self.gauges.trim_available = self.trimmer.available
         self.writer = SessionWriter(settings.dump_dir, settings.dump_write_concurrency, self.counters)
+        self.loop_lag = LoopLagMonitor()
         self.cleaner = StaleSessionCleaner(
             self.store,
             self.writer,
@@ -53,9 +56,12 @@ class ProxyRuntime:
         self._cycle_lock = asyncio.Lock()
 
     def stats(self) -> dict[str, Any]:
-        return build_stats(
+        stats = build_stats(
             self.counters, self.gauges, len(self.store), self.store.detached_count, self.store.tokens_held
         )
+        stats["loop_lag_max_seconds"] = round(self.loop_lag.max_s, 6)
+        stats["loop_lag_recent_max_seconds"] = round(self.loop_lag.recent_max(time.monotonic()), 6)
+        return stats
 
     async def start(self) -> None:
         if self.tokenizer is None:
@@ -70,6 +76,7 @@ class ProxyRuntime:
         if self.settings.cleanup_enabled:
             self._tasks.append(asyncio.create_task(self._cleanup_loop(), name="stale-session-cleanup"))
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="stats-heartbeat"))
+        self._tasks.append(asyncio.create_task(self.loop_lag.run(), name="loop-lag-monitor"))
         self.started = True
         log.info(
             "proxy started",

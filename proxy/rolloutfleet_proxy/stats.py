@@ -80,6 +80,8 @@ _GAUGE_HELP = {
     "inflight_turns": "Turns waiting on the upstream",
     "last_cleanup_seconds": "Duration of the last stale-session cleanup cycle",
     "uptime_seconds": "Seconds since the process started",
+    "loop_lag_max_seconds": "Largest event-loop lag since the process started",
+    "loop_lag_recent_max_seconds": "Largest event-loop lag in the last 10 seconds",
 }
 
 
