@@ -374,6 +374,19 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
                 f"{proxy.url}/v1/sessions/{sid}/reward", headers=auth, json={"reward": 1, "turn": 7}
             ),
         ),
+        ("bad query parameter", lambda: httpx.get(f"{proxy.url}/v1/sessions?limit=lots", headers=ADMIN)),
+        (
+            "metadata list",
+            lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"metadata": []}),
+        ),
+        (
+            "tools",
+            lambda: httpx.post(
+                chat,
+                headers=auth,
+                json=chat_body([{"role": "user", "content": "a"}], tools=[{"type": "function"}]),
+            ),
+        ),
         (
             "bad metadata",
             lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"metadata": "x"}),
@@ -399,6 +412,9 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
         "bad reward": 400,
         "reward turn out of range": 400,
         "bad metadata": 400,
+        "bad query parameter": 400,
+        "metadata list": 400,
+        "tools": 400,
     }
     for name, call in cases:
         response = call()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from pathlib import Path
@@ -160,3 +161,82 @@ def test_corrupt_live_dump_is_kept_aside_not_deleted(engine_url, test_tokenizer_
         assert kept.read_bytes() == b"garbage"
     finally:
         assert process.terminate() == 0
+
+
+def test_malformed_dumps_are_quarantined_and_start_goes_on(engine_url, test_tokenizer_dir, tmp_path):
+    import numpy as np
+    from rolloutfleet_proxy.dumps import FORMAT
+    from safetensors.numpy import save_file
+
+    live = tmp_path / "dumps" / LIVE_AREA
+    live.mkdir(parents=True)
+    empty = {
+        "input_ids": np.zeros(0, np.int32),
+        "loss_mask": np.zeros(0, np.uint8),
+        "logprobs": np.zeros(0, np.float32),
+        "turn_bounds": np.zeros((0, 3), np.int32),
+    }
+    save_file(empty, str(live / "list-header.safetensors"), metadata={FORMAT: "[1, 2]"})
+    escaping = {"format": FORMAT, "format_version": 1, "session_id": "../../x", "key_sha256": "00"}
+    save_file(empty, str(live / "escaping-id.safetensors"), metadata={FORMAT: json.dumps(escaping)})
+    process, url = start_proxy(engine_url, test_tokenizer_dir, tmp_path / "dumps", tmp_path / "p.log")
+    try:
+        stats = httpx.get(f"{url}/stats").json()
+        assert stats["totals"]["restore_failures"] == 2 and stats["live_sessions"] == 0
+        assert len(list((tmp_path / "dumps" / "corrupt").iterdir())) == 2
+    finally:
+        assert process.terminate() == 0
+
+
+def test_sigterm_during_startup_keeps_restored_sessions(test_tokenizer_dir, tmp_path):
+    """A replacement terminated while it restores must write its sessions back, not lose them."""
+    from array import array
+
+    from rolloutfleet_proxy.dumps import write_session_dump
+    from rolloutfleet_proxy.ids import key_digest
+    from rolloutfleet_proxy.session import Session
+
+    dumps = tmp_path / "dumps"
+    expected = {}
+    for i in range(3):
+        session = Session(f"restored-{i:03d}", key_digest("k"))
+        session.append_turn(
+            array("i", [1, 2, 3 + i]),
+            array("i", [9, 9]),
+            array("f", [-0.5, -0.25]),
+            message_count=2,
+            history_digest=b"\x01" * 32,
+            stopped=False,
+            stop_token=None,
+        )
+        write_session_dump(dumps, LIVE_AREA, session.to_record(), "drain")
+        expected[session.session_id] = session.token_ids.tolist()
+    log = tmp_path / "p.log"
+    process = ServerProcess(
+        proxy_command(
+            "--port",
+            str(free_port()),
+            "--host",
+            "127.0.0.1",
+            "--upstream-url",
+            "http://127.0.0.1:1",
+            "--tokenizer-path",
+            str(test_tokenizer_dir),
+            "--dump-dir",
+            str(dumps),
+        ),
+        log,
+        env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
+    )
+    deadline = time.monotonic() + 60
+    while "Waiting for application startup" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.process.send_signal(signal.SIGTERM)  # while the tokenizer loads, before or during the restore
+    assert process.process.wait(60) == 0, process.log_tail()
+    process.terminate()
+    from rolloutfleet_proxy.dumps import load_session_file
+
+    files = sorted((dumps / LIVE_AREA).glob("*.safetensors"))
+    assert {
+        load_session_file(f).session_id: load_session_file(f).token_ids.tolist() for f in files
+    } == expected

@@ -243,6 +243,12 @@ def test_parse_generate_answer_keeps_exact_ids_and_logprobs():
     assert parse_generate_answer(sglang_answer([5, 6], [-0.1, -0.2])).stop_token is None
 
 
+def test_parse_generate_answer_refuses_an_aborted_generation():
+    with pytest.raises(ProxyError, match="aborted") as error:
+        parse_generate_answer(sglang_answer([5], [-0.1], {"type": "abort", "message": "weights updating"}))
+    assert error.value.status == 502
+
+
 @pytest.mark.parametrize(
     "body",
     [

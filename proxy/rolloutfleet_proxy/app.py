@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
@@ -72,9 +73,14 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             raise unauthorized()
         if not is_valid_session_id(session_id):
             raise bad_request("invalid_session_id", f"session ids are {SESSION_ID_RULE}")
+        if runtime.gauges.draining:  # before the lookup: drained sessions are no longer in the store
+            raise unavailable(
+                "draining", "the proxy is shutting down; its sessions continue on its replacement", 2
+            )
         session = runtime.store.get(session_id)
         if not (key_matches(key, session.key_digest) or is_admin(key)):
             raise unauthorized("the key does not belong to this session")
+        session.touch()
         return session
 
     async def read_json(request: Request) -> Any:
@@ -83,6 +89,11 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
     @app.exception_handler(ProxyError)
     async def _proxy_error(_request: Request, exc: ProxyError) -> Response:
         return exc.to_response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_request(_request: Request, exc: RequestValidationError) -> Response:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        return error_response(400, "invalid_parameter", problems)
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_request: Request, _exc: BodyTooLarge) -> Response:
@@ -111,10 +122,11 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         session_id = body.get("session_id") or new_session_id()
         if not isinstance(session_id, str) or not is_valid_session_id(session_id):
             raise bad_request("invalid_session_id", f"session ids are {SESSION_ID_RULE}")
-        metadata = body.get("metadata") or {}
+        metadata = body.get("metadata")
+        metadata = {} if metadata is None else metadata
         if not isinstance(metadata, dict):
             raise bad_request("invalid_metadata", "metadata must be a JSON object")
-        if len(orjson.dumps(metadata)) > settings.max_metadata_bytes:
+        if metadata and len(orjson.dumps(metadata)) > settings.max_metadata_bytes:
             raise bad_request("invalid_metadata", f"metadata exceeds {settings.max_metadata_bytes} bytes")
         key = new_session_key()
         runtime.store.add(Session(session_id, key_digest(key), metadata))
@@ -158,6 +170,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
 
     @app.post("/v1/sessions/{session_id}/reward")
     async def reward(session_id: str, request: Request) -> Response:
+        authorized_session(request, session_id)  # 401/404 before the body is even read
         body = await read_json(request)
         session = authorized_session(request, session_id)
         if not isinstance(body, dict):
@@ -185,8 +198,11 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
 
     @app.post("/v1/sessions/{session_id}/chat/completions")
     async def chat(session_id: str, request: Request) -> Response:
+        authorized_session(request, session_id)  # 401/404 before the body is even read
         body = await read_json(request)
         chat_request = parse_chat_request(body, settings.default_max_tokens)
+        # Looked up again after the await: from here to taking the session lock nothing yields,
+        # so cleanup cannot detach the session in between.
         session = authorized_session(request, session_id)
         assert runtime.turns is not None and runtime.tokenizer is not None
         timings = request.scope["state"].setdefault("timings", {})

@@ -57,7 +57,8 @@ class TurnTokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=True)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
-        return [self._backend.id_to_token(i) or "" for i in ids]
+        """Each token's own text (not the vocabulary piece, e.g. "Ġword" in byte-level BPE)."""
+        return [self._backend.decode([i], skip_special_tokens=False) for i in ids]
 
     def first_turn_ids(self, messages: Sequence[dict[str, Any]]) -> array:
         return self.encode(self.render(messages, add_generation_prompt=True))

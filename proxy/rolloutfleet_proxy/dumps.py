@@ -112,7 +112,7 @@ def write_session_dump(dump_dir: Path, area: str, record: SessionRecord, reason:
 
 
 def load_session_file(path: str | os.PathLike) -> SessionRecord:
-    """Read a dump file back (the documented loader)."""
+    """Read a dump file back (the documented loader). Anything malformed raises DumpFormatError."""
     try:
         with safe_open(str(path), framework="numpy") as f:
             meta = f.metadata() or {}
@@ -121,25 +121,34 @@ def load_session_file(path: str | os.PathLike) -> SessionRecord:
         raise DumpFormatError(f"{path}: not a readable safetensors file: {exc}") from exc
     if FORMAT not in meta:
         raise DumpFormatError(f"{path}: no {FORMAT} metadata")
-    header = orjson.loads(meta[FORMAT])
+    try:
+        return _record_from(path, orjson.loads(meta[FORMAT]), tensors)
+    except DumpFormatError:
+        raise
+    except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise DumpFormatError(f"{path}: malformed {FORMAT} header: {type(exc).__name__}: {exc}") from None
+
+
+def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.ndarray]) -> SessionRecord:
     if header.get("format") != FORMAT or header.get("format_version") != FORMAT_VERSION:
         raise DumpFormatError(
             f"{path}: unsupported format {header.get('format')} v{header.get('format_version')}"
         )
-    try:
-        token_ids = array("i", tensors["input_ids"].astype(np.int32, copy=False).tobytes())
-        loss_mask = array("B", tensors["loss_mask"].astype(np.uint8, copy=False).tobytes())
-        logprobs = array("f", tensors["logprobs"].astype(np.float32, copy=False).tobytes())
-        turn_bounds = array("i", tensors["turn_bounds"].astype(np.int32, copy=False).tobytes())
-    except KeyError as exc:
-        raise DumpFormatError(f"{path}: missing tensor {exc}") from None
+    if not isinstance(header.get("session_id"), str) or not is_valid_session_id(header["session_id"]):
+        raise DumpFormatError(f"{path}: invalid session id {header.get('session_id')!r}")
+    token_ids = array("i", tensors["input_ids"].astype(np.int32, copy=False).tobytes())
+    loss_mask = array("B", tensors["loss_mask"].astype(np.uint8, copy=False).tobytes())
+    logprobs = array("f", tensors["logprobs"].astype(np.float32, copy=False).tobytes())
+    turn_bounds = array("i", tensors["turn_bounds"].astype(np.int32, copy=False).tobytes())
     if not len(token_ids) == len(loss_mask) == len(logprobs):
         raise DumpFormatError(f"{path}: input_ids, loss_mask and logprobs differ in length")
+    if len(turn_bounds) % TURN_BOUND_FIELDS or any(b < 0 or b > len(token_ids) for b in turn_bounds):
+        raise DumpFormatError(f"{path}: turn_bounds do not fit input_ids")
     return SessionRecord(
         session_id=header["session_id"],
         key_digest=bytes.fromhex(header["key_sha256"]),
         created_at=float(header["created_at"]),
-        metadata=header.get("metadata") or {},
+        metadata=dict(header.get("metadata") or {}),
         token_ids=token_ids,
         loss_mask=loss_mask,
         logprobs=logprobs,

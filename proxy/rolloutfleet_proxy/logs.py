@@ -32,5 +32,3 @@ def configure_logging(level: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.Formatter.converter = time.gmtime
-    for noisy in ("httpx", "httpcore"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)

@@ -56,9 +56,10 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = True
             self.should_exit = True
             return
-        if self._loop is None or not self.started:
+        if self._loop is None:  # before serving began nothing was restored: nothing to lose
             self.should_exit = True
             return
+        # Also during start-up: the drain waits for the restore to finish, then writes it back.
         self._loop.call_soon_threadsafe(self._start_drain)
 
     def _start_drain(self) -> None:
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     server = DrainingServer(config, runtime)
     server.run()
-    if runtime.drain_ok is False:
+    if runtime.gauges.draining and runtime.drain_ok is not True:
         log.critical("exiting with sessions that could not be written")
         return 1
     if not server.started:

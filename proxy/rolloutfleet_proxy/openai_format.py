@@ -54,8 +54,8 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
         canonical = [canonical_message(m) for m in messages]
     except InvalidMessage as exc:
         raise bad_request("invalid_messages", str(exc)) from None
-    n = body.get("n", 1)
-    if n != 1:
+    n = body.get("n")
+    if n is not None and n != 1:
         raise bad_request("invalid_parameter", "n must be 1: a session records one trajectory")
     sampling: dict[str, Any] = {
         "max_new_tokens": _positive_int(body, "max_completion_tokens")
@@ -70,6 +70,14 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
     ):
         value = _number(body, name, low, high)
         if value is not None:
+            sampling[name] = value
+    if body.get("tools"):
+        raise bad_request("unsupported_parameter", "tools are not supported: send plain chat messages")
+    for name in ("top_k", "min_p", "repetition_penalty"):  # SGLang sampling parameters passed through
+        value = body.get(name)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise bad_request("invalid_parameter", f"{name} must be a number")
             sampling[name] = value
     stop = body.get("stop")
     if stop is not None:

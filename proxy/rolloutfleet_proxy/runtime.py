@@ -10,7 +10,7 @@ from typing import Any
 
 from .chat_tokens import TurnTokenizer
 from .cleanup import SessionWriter, StaleSessionCleaner
-from .dumps import LIVE_AREA, DumpFormatError, list_live_dumps, load_session_file, quarantine
+from .dumps import LIVE_AREA, list_live_dumps, load_session_file, quarantine
 from .errors import ProxyError
 from .heap import HeapTrimmer
 from .looplag import LoopLagMonitor
@@ -54,6 +54,7 @@ class ProxyRuntime:
         self._tasks: list[asyncio.Task] = []
         self._drain_task: asyncio.Task | None = None
         self._cycle_lock = asyncio.Lock()
+        self._started_event = asyncio.Event()
 
     def stats(self) -> dict[str, Any]:
         stats = build_stats(
@@ -78,6 +79,7 @@ class ProxyRuntime:
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="stats-heartbeat"))
         self._tasks.append(asyncio.create_task(self.loop_lag.run(), name="loop-lag-monitor"))
         self.started = True
+        self._started_event.set()
         log.info(
             "proxy started",
             extra={
@@ -125,7 +127,7 @@ class ProxyRuntime:
         for path in await asyncio.to_thread(list_live_dumps, dump_dir):
             try:
                 record = await asyncio.to_thread(load_session_file, path)
-            except (DumpFormatError, KeyError, ValueError, OSError) as exc:
+            except Exception as exc:  # whatever is wrong with one file must not stop the others or the start
                 self.counters.restore_failures += 1
                 target = await asyncio.to_thread(quarantine, path, dump_dir)
                 log.error("cannot restore %s (%s); kept as %s", path, exc, target)
@@ -148,6 +150,7 @@ class ProxyRuntime:
         """Refuse new work, let in-flight turns finish, write every live session to the live area."""
         self.gauges.draining = True
         log.info("draining: refusing new sessions and turns")
+        await self._started_event.wait()  # a SIGTERM during start-up drains what the restore brought back
         assert self.turns is not None
         try:
             await asyncio.wait_for(self.turns.turns_done.wait(), self.settings.drain_grace_s)
@@ -175,7 +178,8 @@ class ProxyRuntime:
         for attempt in range(DRAIN_WRITE_ATTEMPTS):
             outcome = await self.writer.write(pending, LIVE_AREA, "drain")
             for session in outcome.written:
-                self.store.forget(session, "shutdown: written to the live area for the next process")
+                # Not remembered as ended: the session lives on in the next process.
+                self.store.forget(session, "written to the live area for the next process", remember=False)
             self.counters.sessions_drained += len(outcome.written)
             pending = outcome.failed
             if not pending:

@@ -87,10 +87,10 @@ class SessionStore:
         del self._detached[session.session_id]
         self._live[session.session_id] = session
 
-    def forget(self, session: Session, reason: str) -> None:
+    def forget(self, session: Session, reason: str, remember: bool = True) -> None:
         """Drop a detached session after it was written (or dropping was chosen explicitly)."""
         del self._detached[session.session_id]
-        self._end(session, reason)
+        self._end(session, reason, remember)
 
     def _detach(self, session: Session) -> None:
         del self._live[session.session_id]

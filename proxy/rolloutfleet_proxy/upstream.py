@@ -6,7 +6,7 @@ from array import array
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from .errors import ProxyError
@@ -57,6 +57,9 @@ def parse_generate_answer(body: bytes) -> Generation:
     finish_type = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
     matched = finish.get("matched") if isinstance(finish, dict) else None
     stop_token = matched if isinstance(matched, int) and output_ids and output_ids[-1] == matched else None
+    if finish_type == "abort":
+        message = finish.get("message") if isinstance(finish, dict) else None
+        raise upstream_error(502, f"upstream aborted the generation: {message or 'no reason given'}")
     text = answer.get("text", "")
     if not isinstance(text, str):
         raise upstream_error(502, "upstream text is not a string")
@@ -71,15 +74,27 @@ def parse_generate_answer(body: bytes) -> Generation:
 
 
 class SGLangClient:
+    """aiohttp, not httpx: under a few hundred concurrent turns httpcore's pool scanned every
+    connection on each request and the proxy spent ~79% of its CPU there (py-spy, bench/overhead.py)."""
+
     def __init__(self, base_url: str, timeout_s: float, max_connections: int):
-        self._client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
-            timeout=httpx.Timeout(timeout_s, connect=min(10.0, timeout_s)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
+        self._url = base_url.rstrip("/") + "/generate"
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(10.0, timeout_s))
+        self._max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        # Created lazily inside the running loop that will use it.
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=self._max_connections, limit_per_host=0, keepalive_timeout=30
+            )
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        return self._session
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def generate(self, input_ids: list[int], sampling_params: dict[str, Any]) -> Generation:
         payload = orjson.dumps(
@@ -92,14 +107,16 @@ class SGLangClient:
             }
         )
         try:
-            response = await self._client.post(
-                "/generate", content=payload, headers={"content-type": "application/json"}
-            )
-        except httpx.TimeoutException:
+            async with self._client().post(
+                self._url, data=payload, headers={"content-type": "application/json"}
+            ) as response:
+                body = await response.read()
+                status = response.status
+        except TimeoutError:
             raise upstream_error(504, "upstream /generate timed out") from None
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             raise upstream_error(502, f"upstream unreachable: {type(exc).__name__}: {exc}") from None
-        if response.status_code != 200:
-            snippet = response.text[:300]
-            raise upstream_error(502, f"upstream /generate answered {response.status_code}: {snippet}")
-        return parse_generate_answer(response.content)
+        if status != 200:
+            snippet = body[:300].decode(errors="replace")
+            raise upstream_error(502, f"upstream /generate answered {status}: {snippet}")
+        return parse_generate_answer(body)

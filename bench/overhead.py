@@ -1,0 +1,220 @@
+"""Proxy overhead: K concurrent sessions x T turns against an upstream with fixed latency L.
+
+Throughput is compared with the Little's-law bound K/L and latency with the same load sent straight
+to the upstream. The proxy, the upstream stand-in and this load generator are separate processes
+sharing the machine's cores.
+
+Each session is a closed loop (next turn when the previous answer arrived). Sessions start at
+seeded random offsets within the first L seconds, as rollouts do, instead of in lockstep (which
+would make every answer land in the same instant and measure a burst, not a steady state). The
+throughput of a loop is its turns over its own active time; the fleet's is their sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from common import ADMIN, IMAGES, percentile, progress, proxy_process, save_result, upstream_stub
+
+PROMPT_IDS = list(range(3, 53))  # 50 tokens, as a short first-turn prompt
+
+
+@dataclass
+class Measured:
+    latencies: list[float]
+    loop_rates: list[float]  # turns per second of each closed loop over its own active time
+    wall: float
+    errors: int
+
+
+def start_offsets(sessions: int, latency_s: float) -> list[float]:
+    rng = random.Random(1)
+    return [rng.uniform(0, latency_s) for _ in range(sessions)]
+
+
+async def direct_load(url: str, sessions: int, turns: int, output_tokens: int, latency_s: float) -> Measured:
+    latencies: list[float] = []
+    loop_rates: list[float] = []
+    body = {
+        "input_ids": PROMPT_IDS,
+        "sampling_params": {"max_new_tokens": output_tokens},
+        "return_logprob": True,
+    }
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=sessions)) as http:
+
+        async def worker(offset: float) -> None:
+            await asyncio.sleep(offset)
+            began = time.perf_counter()
+            for _ in range(turns):
+                start = time.perf_counter()
+                async with http.post(f"{url}/generate", json=body) as response:
+                    await response.read()
+                    assert response.status == 200
+                latencies.append(time.perf_counter() - start)
+            loop_rates.append(turns / (time.perf_counter() - began))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(o) for o in start_offsets(sessions, latency_s)))
+        return Measured(latencies, loop_rates, time.perf_counter() - start, 0)
+
+
+async def proxy_load(url: str, sessions: int, turns: int, output_tokens: int, latency_s: float) -> Measured:
+    latencies: list[float] = []
+    loop_rates: list[float] = []
+    errors = 0
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=sessions)) as http:
+        created = []
+        for _ in range(sessions):  # not timed
+            async with http.post(f"{url}/v1/sessions", headers=ADMIN, json={}) as response:
+                created.append(await response.json())
+
+        async def worker(session: dict, offset: float) -> None:
+            nonlocal errors
+            await asyncio.sleep(offset)
+            began = time.perf_counter()
+            chat_url = f"{url}/v1/sessions/{session['session_id']}/chat/completions"
+            auth = {"Authorization": f"Bearer {session['session_key']}"}
+            messages = [{"role": "user", "content": "Solve the task step by step, please."}]
+            for turn in range(turns):
+                body = {"model": "m", "messages": messages, "max_tokens": output_tokens}
+                start = time.perf_counter()
+                async with http.post(chat_url, json=body, headers=auth) as response:
+                    answer = await response.json()
+                    if response.status != 200:
+                        errors += 1
+                        return
+                latencies.append(time.perf_counter() - start)
+                messages.append(answer["choices"][0]["message"])
+                messages.append({"role": "user", "content": f"Observation {turn}: continue."})
+            loop_rates.append(turns / (time.perf_counter() - began))
+
+        start = time.perf_counter()
+        offsets = start_offsets(sessions, latency_s)
+        await asyncio.gather(*(worker(s, o) for s, o in zip(created, offsets, strict=True)))
+        return Measured(latencies, loop_rates, time.perf_counter() - start, errors)
+
+
+def summarize(measured: Measured, sessions: int, latency_s: float) -> dict:
+    latencies = measured.latencies
+    throughput = sum(measured.loop_rates)
+    bound = sessions / latency_s
+    return {
+        "requests": len(latencies),
+        "errors": measured.errors,
+        "wall_seconds": round(measured.wall, 3),
+        "wall_clock_rps": round(len(latencies) / measured.wall, 1),
+        "throughput_rps": round(throughput, 1),
+        "littles_law_bound_rps": bound,
+        "fraction_of_bound": round(throughput / bound, 3),
+        "latency_p50_ms": round(percentile(latencies, 50) * 1000, 1),
+        "latency_p99_ms": round(percentile(latencies, 99) * 1000, 1),
+    }
+
+
+def run_one(
+    work: Path, sessions: int, turns: int, latency_s: float, output_tokens: int, log_requests: bool
+) -> dict:
+    with upstream_stub(work, latency_s, output_tokens) as stub:
+        progress(f"K={sessions}: direct to the upstream stand-in, {sessions * turns} requests")
+        measured = asyncio.run(
+            asyncio.wait_for(direct_load(stub, sessions, turns, output_tokens, latency_s), 600)
+        )
+        direct = summarize(measured, sessions, latency_s)
+        flags = ["--upstream-max-connections", str(max(1024, sessions * 2))]
+        flags.append("--log-requests" if log_requests else "--no-log-requests")
+        with proxy_process(work, stub, *flags) as (proxy, process):
+            progress(f"K={sessions}: through the proxy, {sessions * turns} turns")
+            cpu_before = process.cpu_times()
+            measured = asyncio.run(
+                asyncio.wait_for(proxy_load(proxy, sessions, turns, output_tokens, latency_s), 600)
+            )
+            cpu_after = process.cpu_times()
+            through = summarize(measured, sessions, latency_s)
+    cpu = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
+    through.update(
+        proxy_cpu_seconds=round(cpu, 2),
+        proxy_cpu_us_per_turn=round(cpu / max(1, len(measured.latencies)) * 1e6),
+        proxy_cpu_utilisation=round(cpu / measured.wall, 2),
+    )
+    result = {
+        "sessions": sessions,
+        "turns": turns,
+        "upstream_latency_s": latency_s,
+        "output_tokens": output_tokens,
+        "log_requests": log_requests,
+        "direct": direct,
+        "proxy": through,
+        "added_latency_p50_ms": round(through["latency_p50_ms"] - direct["latency_p50_ms"], 1),
+        "added_latency_p99_ms": round(through["latency_p99_ms"] - direct["latency_p99_ms"], 1),
+    }
+    progress(
+        f"K={sessions}: proxy {through['throughput_rps']} rps = {through['fraction_of_bound']} of K/L "
+        f"(direct {direct['fraction_of_bound']}); added p50 {result['added_latency_p50_ms']} ms, "
+        f"p99 {result['added_latency_p99_ms']} ms; proxy CPU {through['proxy_cpu_us_per_turn']} us/turn"
+    )
+    return result
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = [r["sessions"] for r in runs]
+    labels = [str(k) for k in ks]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    x = range(len(ks))
+    left.bar([i - 0.2 for i in x], [r["direct"]["fraction_of_bound"] for r in runs], 0.4, label="direct")
+    left.bar(
+        [i + 0.2 for i in x], [r["proxy"]["fraction_of_bound"] for r in runs], 0.4, label="through proxy"
+    )
+    left.axhline(0.95, color="k", linestyle="--", linewidth=1, label="goal 0.95")
+    left.set_xticks(list(x), labels)
+    left.set_xlabel("concurrent sessions K")
+    left.set_ylabel("throughput / (K / L)")
+    left.set_ylim(0, 1.05)
+    left.legend(loc="lower left")
+    left.set_title(f"Throughput vs Little's-law bound (L = {runs[0]['upstream_latency_s']} s)")
+    right.bar([i - 0.2 for i in x], [r["added_latency_p50_ms"] for r in runs], 0.4, label="p50")
+    right.bar([i + 0.2 for i in x], [r["added_latency_p99_ms"] for r in runs], 0.4, label="p99")
+    right.set_xticks(list(x), labels)
+    right.set_xlabel("concurrent sessions K")
+    right.set_ylabel("added latency (ms)")
+    right.set_title("Latency added by the proxy")
+    right.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    progress(f"plot written to {path}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, nargs="+", default=[100, 400])
+    parser.add_argument("--turns", type=int, default=10)
+    parser.add_argument("--latency-s", type=float, default=0.5)
+    parser.add_argument("--output-tokens", type=int, default=16)
+    parser.add_argument("--no-log-requests", action="store_true", help="turn the per-request log line off")
+    parser.add_argument("--work-dir", type=Path, help="keep logs here (default: a temporary directory)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="rf-bench-overhead-") as tmp:
+        work = args.work_dir or Path(tmp)
+        runs = [
+            run_one(work, k, args.turns, args.latency_s, args.output_tokens, not args.no_log_requests)
+            for k in args.sessions
+        ]
+    suffix = "-nolog" if args.no_log_requests else ""
+    save_result("overhead" + suffix, {"runs": runs})
+    plot(runs, IMAGES / f"overhead{suffix}.png")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""docs/proxy.md must keep up with the code: every setting, route, /stats field and metric is documented."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rolloutfleet_proxy.app import create_app
+from rolloutfleet_proxy.settings import ENV, ProxySettings
+from rolloutfleet_proxy.stats import StatsCollector
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "proxy.md"
+
+
+@pytest.fixture(scope="module")
+def doc() -> str:
+    return DOC.read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def app():
+    settings = ProxySettings(
+        upstream_url="http://127.0.0.1:1", tokenizer_path="/x", admin_key="k", allow_dropping_sessions=True
+    )
+    return create_app(settings)  # built, never started: no tokenizer, no upstream, no sockets
+
+
+def test_every_setting_is_documented(doc):
+    assert set(ENV) == set(ProxySettings.model_fields)
+    missing = [
+        f"{field}: {part}"
+        for field, env_name in ENV.items()
+        for part in (f"`{env_name}`", f"`--{field.replace('_', '-')}`")
+        if part not in doc
+    ]
+    assert not missing, f"settings missing from {DOC.name}: {missing}"
+
+
+def test_every_route_is_documented(doc, app):
+    routes = {
+        (method, route.path)
+        for route in app.routes
+        if getattr(route, "path", None)
+        for method in (getattr(route, "methods", None) or {"GET"})
+        if method != "HEAD"
+    }
+    assert ("POST", "/v1/sessions/{session_id}/chat/completions") in routes
+    missing = sorted(f"{method} {path}" for method, path in routes if f"`{method} {path}`" not in doc)
+    assert not missing, f"routes missing from {DOC.name}: {missing}"
+
+
+def test_every_stats_field_and_metric_is_documented(doc, app):
+    stats = app.state.runtime.stats()
+    fields = [name for name in stats if name != "totals"] + list(stats["totals"])
+    metrics = [
+        metric.name + ("_total" if metric.type == "counter" else "")
+        for metric in StatsCollector(app.state.runtime.stats).collect()
+    ]
+    missing = [name for name in fields + metrics if f"`{name}`" not in doc]
+    assert not missing, f"/stats fields or metrics missing from {DOC.name}: {missing}"
