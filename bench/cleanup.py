@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from common import IMAGES, progress, proxy_process, save_result, upstream_stub
+from common import IMAGES, progress, proxy_process, save_figure, save_result, upstream_stub
 from memory import run_sessions
 
 
@@ -104,10 +104,7 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title(
         f"Cleanup of {result['sessions']} stale sessions: max loop lag {result['max_loop_lag_ms']} ms"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    progress(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -97,3 +97,10 @@ def save_result(name: str, data: dict) -> Path:
     path.write_text(json.dumps(data, indent=2) + "\n")
     progress(f"results written to {path.relative_to(ROOT)}")
     return path
+
+
+def save_figure(fig, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    progress(f"plot written to {path}")

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from common import ADMIN, IMAGES, progress, proxy_process, save_result, upstream_stub
+from common import ADMIN, IMAGES, progress, proxy_process, save_figure, save_result, upstream_stub
 
 QUESTION = "Please reason about the following task carefully and answer with a long derivation."
 
@@ -173,10 +173,7 @@ def plot(stored: dict, churn: dict, path: Path) -> None:
     right.set_ylabel("RSS (MiB)")
     right.set_title(f"Churn of {churn['sessions']} sessions: resting {churn['resting_over_post_start']}x")
     right.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    progress(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from common import ADMIN, IMAGES, percentile, progress, proxy_process, save_result, upstream_stub
+from common import ADMIN, IMAGES, percentile, progress, proxy_process, save_figure, save_result, upstream_stub
 
 PROMPT_IDS = list(range(3, 53))  # 50 tokens, as a short first-turn prompt
 
@@ -190,10 +190,7 @@ def plot(runs: list[dict], path: Path) -> None:
     right.set_ylabel("added latency (ms)")
     right.set_title("Latency added by the proxy")
     right.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    progress(f"plot written to {path}")
+    save_figure(fig, path)
 
 
 def main() -> None:

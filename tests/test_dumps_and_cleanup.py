@@ -201,3 +201,33 @@ async def test_cleanup_trims_the_heap_after_deletions_too():
     await cleaner.run_once()
     await cleaner.run_once()
     assert calls == [0] and counters.heap_trims == 1
+
+
+async def test_cleanup_loop_survives_a_failing_cycle(tmp_path: Path):
+    from rolloutfleet_proxy.runtime import ProxyRuntime
+    from rolloutfleet_proxy.settings import ProxySettings
+
+    settings = ProxySettings(
+        upstream_url="http://127.0.0.1:1",
+        tokenizer_path="/unused",
+        admin_key="k",
+        dump_dir=tmp_path,
+        cleanup_interval_s=0.01,
+    )
+    runtime = ProxyRuntime(settings)
+    calls = []
+
+    async def flaky_cycle() -> int:
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise RuntimeError("disk vanished")
+        return 0
+
+    runtime.cleaner.run_once = flaky_cycle
+    loop_task = asyncio.create_task(runtime._cleanup_loop())
+    for _ in range(200):
+        if len(calls) >= 3:
+            break
+        await asyncio.sleep(0.01)
+    loop_task.cancel()
+    assert len(calls) >= 3 and runtime.counters.cleanup_errors == 1

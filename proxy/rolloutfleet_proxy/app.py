@@ -24,7 +24,14 @@ from .ids import (
     new_session_key,
 )
 from .middleware import BodyLimitMiddleware, BodyTooLarge, RequestLogMiddleware
-from .openai_format import completion_body, completion_sse, json_body, logprobs_content, parse_chat_request
+from .openai_format import (
+    Completion,
+    completion_body,
+    completion_sse,
+    json_body,
+    logprobs_content,
+    parse_chat_request,
+)
 from .runtime import ProxyRuntime
 from .session import Session
 from .settings import ProxySettings
@@ -213,7 +220,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             logprobs = logprobs_content(
                 runtime.tokenizer.token_strings(gen.output_ids), gen.logprobs.tolist()
             )
-        fields = dict(
+        completion = Completion(
             completion_id=f"chatcmpl-{session_id}-{result.turn_index}",
             model=settings.model_name,
             text=gen.text,
@@ -225,10 +232,10 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         )
         if chat_request.stream:
             return StreamingResponse(
-                completion_sse(include_usage=chat_request.include_usage, **fields),
+                completion_sse(completion, chat_request.include_usage),
                 media_type="text/event-stream",
             )
-        return Response(completion_body(**fields), media_type="application/json")
+        return Response(completion_body(completion), media_type="application/json")
 
     # --- operations -----------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from .stats import Counters, Gauges
 from .store import SessionStore
 
 log = logging.getLogger("rolloutfleet.proxy.cleanup")
+YIELD_EVERY = 256  # sessions handled between yields to the event loop in bulk steps
 
 
 @dataclass
@@ -33,35 +34,37 @@ class SessionWriter:
 
     def __init__(self, dump_dir: Path | None, concurrency: int, counters: Counters):
         self.dump_dir = dump_dir
-        self._slots = asyncio.Semaphore(concurrency)
+        self._concurrency = concurrency
         self._counters = counters
 
     async def write(self, sessions: list[Session], area: str, reason: str) -> WriteOutcome:
         if self.dump_dir is None:
             return WriteOutcome(written=[], failed=list(sessions))
-        results = await asyncio.gather(*(self._write_one(s, area, reason) for s in sessions))
-        return WriteOutcome(
-            written=[s for s, ok in zip(sessions, results, strict=True) if ok],
-            failed=[s for s, ok in zip(sessions, results, strict=True) if not ok],
-        )
+        outcome = WriteOutcome(written=[], failed=[])
+        # A few workers share one iterator: thousands of stale sessions never become thousands of
+        # tasks started in one loop iteration (that alone stalled the loop ~30 ms for 5k sessions).
+        pending = iter(sessions)
+
+        async def worker() -> None:
+            for session in pending:
+                ok = await self._write_one(session, area, reason)
+                (outcome.written if ok else outcome.failed).append(session)
+
+        await asyncio.gather(*(worker() for _ in range(min(self._concurrency, len(sessions)))))
+        return outcome
 
     async def _write_one(self, session: Session, area: str, reason: str) -> bool:
-        async with self._slots:
-            async with session.lock:  # a detached session has no turn, but never snapshot mid-mutation
-                record = session.to_record()
-            try:
-                await asyncio.to_thread(write_session_dump, self.dump_dir, area, record, reason)
-            except Exception as exc:  # any failure keeps the session; it is retried
-                self._counters.dump_failures += 1
-                log.error(
-                    "dump of session %s to %s failed: %s: %s",
-                    session.session_id,
-                    area,
-                    type(exc).__name__,
-                    exc,
-                )
-                return False
-            return True
+        async with session.lock:  # a detached session has no turn, but never snapshot mid-mutation
+            record = session.to_record()
+        try:
+            await asyncio.to_thread(write_session_dump, self.dump_dir, area, record, reason)
+        except Exception as exc:  # any failure keeps the session; it is retried
+            self._counters.dump_failures += 1
+            log.error(
+                "dump of session %s to %s failed: %s: %s", session.session_id, area, type(exc).__name__, exc
+            )
+            return False
+        return True
 
 
 class StaleSessionCleaner:
@@ -101,8 +104,10 @@ class StaleSessionCleaner:
             else:
                 outcome = await self._writer.write(stale, STALE_AREA, "stale")
                 async with self._store.lock:
-                    for session in outcome.written:
+                    for i, session in enumerate(outcome.written, 1):
                         self._store.forget(session, "idle past the stale-session timeout; dumped to disk")
+                        if i % YIELD_EVERY == 0:
+                            await asyncio.sleep(0)  # let requests in between batches
                     for session in outcome.failed:
                         self._store.reattach(session)
                 self._counters.sessions_dumped += len(outcome.written)

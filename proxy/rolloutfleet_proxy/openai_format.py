@@ -117,90 +117,71 @@ def logprobs_content(tokens: list[str], logprobs: list[float]) -> dict[str, Any]
     }
 
 
-def completion_body(
-    *,
-    completion_id: str,
-    model: str,
-    text: str,
-    finish: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    logprobs: dict[str, Any] | None,
-    extra: dict[str, Any],
-) -> bytes:
+@dataclass(frozen=True)
+class Completion:
+    """A recorded reply, ready to be rendered as a chat.completion or as its chunk stream."""
+
+    completion_id: str
+    model: str
+    text: str
+    finish: str
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: dict[str, Any] | None
+    extra: dict[str, Any]
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
+
+
+def completion_body(c: Completion) -> bytes:
+    message = {"role": "assistant", "content": c.text}
+    choice = {
+        "index": 0,
+        "message": message,
+        "finish_reason": finish_reason(c.finish),
+        "logprobs": c.logprobs,
+    }
     return orjson.dumps(
         {
-            "id": completion_id,
+            "id": c.completion_id,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish_reason(finish),
-                    "logprobs": logprobs,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": prompt_tokens,
-                "completion_tokens": completion_tokens,
-                "total_tokens": prompt_tokens + completion_tokens,
-            },
-            "rolloutfleet": extra,
+            "model": c.model,
+            "choices": [choice],
+            "usage": c.usage(),
+            "rolloutfleet": c.extra,
         }
     )
 
 
-def completion_sse(
-    *,
-    completion_id: str,
-    model: str,
-    text: str,
-    finish: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    logprobs: dict[str, Any] | None,
-    include_usage: bool,
-    extra: dict[str, Any],
-) -> Iterator[bytes]:
+def completion_sse(c: Completion, include_usage: bool) -> Iterator[bytes]:
     """The recorded reply as a chat.completion.chunk stream (sent only after it was recorded)."""
     created = int(time.time())
 
-    def chunk(delta: dict[str, Any], reason: str | None, chunk_logprobs: Any = None, **more: Any) -> bytes:
+    def chunk(choices: list[dict[str, Any]], **more: Any) -> bytes:
         body = {
-            "id": completion_id,
+            "id": c.completion_id,
             "object": "chat.completion.chunk",
             "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": chunk_logprobs}],
+            "model": c.model,
+            "choices": choices,
             **more,
         }
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    yield chunk({"role": "assistant", "content": ""}, None)
-    yield chunk({"content": text}, None, logprobs)
-    yield chunk({}, finish_reason(finish), rolloutfleet=extra)
+    def choice(delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> list[dict[str, Any]]:
+        return [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]
+
+    yield chunk(choice({"role": "assistant", "content": ""}, None))
+    yield chunk(choice({"content": c.text}, None, c.logprobs))
+    yield chunk(choice({}, finish_reason(c.finish)), rolloutfleet=c.extra)
     if include_usage:
-        usage = {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
-        yield (
-            b"data: "
-            + orjson.dumps(
-                {
-                    "id": completion_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage,
-                }
-            )
-            + b"\n\n"
-        )
+        yield chunk([], usage=c.usage())
     yield b"data: [DONE]\n\n"
 
 
