@@ -116,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     with (
         tempfile.TemporaryDirectory(prefix="rf-bench-cleanup-") as tmp,
-        upstream_stub(Path(tmp), 0.0, args.output_tokens) as stub,
+        upstream_stub(Path(tmp), 0.0, args.output_tokens) as (stub, _),
     ):
         flags = (
             "--cleanup-interval-s",

@@ -33,7 +33,7 @@ def tokenizer_dir() -> Path:
 
 
 @contextlib.contextmanager
-def upstream_stub(work: Path, latency_s: float, output_tokens: int) -> Iterator[str]:
+def upstream_stub(work: Path, latency_s: float, output_tokens: int) -> Iterator[tuple[str, psutil.Process]]:
     """The fixed-latency SGLang stand-in, in its own process."""
     port = free_port()
     args = python_module(
@@ -49,7 +49,7 @@ def upstream_stub(work: Path, latency_s: float, output_tokens: int) -> Iterator[
     )
     with ServerProcess(args, work / f"stub-{port}.log") as stub:
         stub.wait_ready(f"http://127.0.0.1:{port}/health", 60)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", psutil.Process(stub.pid)
 
 
 @contextlib.contextmanager
@@ -104,3 +104,8 @@ def save_figure(fig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     progress(f"plot written to {path}")
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system

@@ -185,7 +185,7 @@ def main() -> None:
     flags = ("--cleanup-interval-s", "1", "--no-log-requests")
     with (
         tempfile.TemporaryDirectory(prefix="rf-bench-memory-") as tmp,
-        upstream_stub(Path(tmp), 0.0, args.output_tokens) as stub,
+        upstream_stub(Path(tmp), 0.0, args.output_tokens) as (stub, _),
     ):
         with proxy_process(Path(tmp), stub, *flags) as (url, _):
             progress(

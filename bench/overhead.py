@@ -21,7 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from common import ADMIN, IMAGES, percentile, progress, proxy_process, save_figure, save_result, upstream_stub
+import psutil
+from common import (
+    ADMIN,
+    IMAGES,
+    cpu_seconds,
+    percentile,
+    progress,
+    proxy_process,
+    save_figure,
+    save_result,
+    upstream_stub,
+)
 
 PROMPT_IDS = list(range(3, 53))  # 50 tokens, as a short first-turn prompt
 
@@ -121,7 +132,9 @@ def summarize(measured: Measured, sessions: int, latency_s: float) -> dict:
 def run_one(
     work: Path, sessions: int, turns: int, latency_s: float, output_tokens: int, log_requests: bool
 ) -> dict:
-    with upstream_stub(work, latency_s, output_tokens) as stub:
+    """One K: the same closed-loop load straight to the stand-in, then through a fresh proxy."""
+    me = psutil.Process()
+    with upstream_stub(work, latency_s, output_tokens) as (stub, stub_process):
         progress(f"K={sessions}: direct to the upstream stand-in, {sessions * turns} requests")
         measured = asyncio.run(
             asyncio.wait_for(direct_load(stub, sessions, turns, output_tokens, latency_s), 600)
@@ -129,19 +142,19 @@ def run_one(
         direct = summarize(measured, sessions, latency_s)
         flags = ["--upstream-max-connections", str(max(1024, sessions * 2))]
         flags.append("--log-requests" if log_requests else "--no-log-requests")
-        with proxy_process(work, stub, *flags) as (proxy, process):
+        with proxy_process(work, stub, *flags) as (proxy, proxy_process_):
             progress(f"K={sessions}: through the proxy, {sessions * turns} turns")
-            cpu_before = process.cpu_times()
+            processes = {"proxy": proxy_process_, "upstream_stub": stub_process, "load_generator": me}
+            before = {name: cpu_seconds(p) for name, p in processes.items()}
             measured = asyncio.run(
                 asyncio.wait_for(proxy_load(proxy, sessions, turns, output_tokens, latency_s), 600)
             )
-            cpu_after = process.cpu_times()
+            used = {name: cpu_seconds(p) - before[name] for name, p in processes.items()}
             through = summarize(measured, sessions, latency_s)
-    cpu = (cpu_after.user + cpu_after.system) - (cpu_before.user + cpu_before.system)
     through.update(
-        proxy_cpu_seconds=round(cpu, 2),
-        proxy_cpu_us_per_turn=round(cpu / max(1, len(measured.latencies)) * 1e6),
-        proxy_cpu_utilisation=round(cpu / measured.wall, 2),
+        proxy_cpu_seconds=round(used["proxy"], 2),
+        proxy_cpu_us_per_turn=round(used["proxy"] / max(1, len(measured.latencies)) * 1e6),
+        cpu_cores_used={name: round(seconds / measured.wall, 2) for name, seconds in used.items()},
     )
     result = {
         "sessions": sessions,
@@ -157,7 +170,8 @@ def run_one(
     progress(
         f"K={sessions}: proxy {through['throughput_rps']} rps = {through['fraction_of_bound']} of K/L "
         f"(direct {direct['fraction_of_bound']}); added p50 {result['added_latency_p50_ms']} ms, "
-        f"p99 {result['added_latency_p99_ms']} ms; proxy CPU {through['proxy_cpu_us_per_turn']} us/turn"
+        f"p99 {result['added_latency_p99_ms']} ms; proxy CPU {through['proxy_cpu_us_per_turn']} us/turn; "
+        f"cores used {through['cpu_cores_used']}"
     )
     return result
 

@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         log_config=None,
         timeout_graceful_shutdown=5,
         backlog=4096,
+        proxy_headers=False,  # behind a Kubernetes Service; the header rewrite costs every request
     )
     server = DrainingServer(config, runtime)
     server.run()

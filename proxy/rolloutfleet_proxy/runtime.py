@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from typing import Any
@@ -78,6 +79,9 @@ class ProxyRuntime:
             self._tasks.append(asyncio.create_task(self._cleanup_loop(), name="stale-session-cleanup"))
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="stats-heartbeat"))
         self._tasks.append(asyncio.create_task(self.loop_lag.run(), name="loop-lag-monitor"))
+        # Long-lived start-up objects (modules, tokenizer) leave the collector's view, so collections
+        # that requests trigger scan only what requests made. Not gc.collect(): that stalls the loop.
+        gc.freeze()
         self.started = True
         self._started_event.set()
         log.info(
