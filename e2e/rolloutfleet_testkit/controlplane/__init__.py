@@ -1,0 +1,1 @@
+"""A real local Kubernetes control plane, built from the Go module proxy (test harness)."""

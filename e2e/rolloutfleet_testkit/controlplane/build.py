@@ -1,0 +1,221 @@
+"""Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and helm from Go modules.
+
+k8s.io/kubernetes cannot be `go install`ed: its go.mod requires its staging modules at v0.0.0 and
+points them at ./staging. A small wrapper module requires it at the release and replaces every
+staging module with its published v0.X.Y (the list is read from the release's own go.mod). etcd's
+server builds from the same module; helm builds on its own. Binaries are cached outside the
+repository, per version, so only the first run pays. A directory of prebuilt binaries (as
+envtest's KUBEBUILDER_ASSETS) can be named by ROLLOUTFLEET_K8S_ASSETS instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+KUBERNETES_VERSION = "v1.35.4"
+HELM_VERSION = "v3.22.0"
+KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+BINARIES = ("etcd", *KUBE_COMMANDS, "helm")
+ASSETS_ENV = "ROLLOUTFLEET_K8S_ASSETS"
+
+
+@dataclass(frozen=True)
+class Versions:
+    kubernetes: str
+    staging: str  # v0.X.Y of the staging modules
+    etcd: str
+    helm: str
+
+
+def cache_root() -> Path:
+    return (
+        Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet")) / "controlplane"
+    )
+
+
+def say(message: str) -> None:
+    print(f"[controlplane] {message}", file=sys.stderr, flush=True)
+
+
+def staging_version(kubernetes: str) -> str:
+    """k8s.io/kubernetes v1.X.Y publishes its staging modules as v0.X.Y."""
+    match = re.fullmatch(r"v1\.(\d+)\.(\d+)", kubernetes)
+    if not match:
+        raise ValueError(f"not a Kubernetes release version: {kubernetes}")
+    return f"v0.{match.group(1)}.{match.group(2)}"
+
+
+def staging_modules(go_mod: str) -> list[str]:
+    """Modules the release requires at exactly v0.0.0 (not pseudo-versions): those it points at ./staging."""
+    return sorted(set(re.findall(r"^\s*(k8s\.io/[\w./-]+) v0\.0\.0[ \t]*(?://.*)?$", go_mod, flags=re.MULTILINE)))
+
+
+def required_version(go_mod: str, module: str) -> str | None:
+    match = re.search(rf"^\s*{re.escape(module)} (v[\w.+-]+)", go_mod, flags=re.MULTILINE)
+    return match.group(1) if match else None
+
+
+def wrapper_go_mod(versions: Versions, staging: list[str], go_version: str) -> str:
+    lines = [
+        "module rolloutfleet.local/controlplane",
+        "",
+        f"go {go_version}",
+        "",
+        f"require k8s.io/kubernetes {versions.kubernetes}",
+        f"require go.etcd.io/etcd/server/v3 {versions.etcd}",
+        "",
+    ]
+    lines += [f"replace {module} => {module} {versions.staging}" for module in staging]
+    return "\n".join(lines) + "\n"
+
+
+def version_ldflags(kubernetes: str) -> str:
+    major, minor = kubernetes.lstrip("v").split(".")[:2]
+    values = {
+        "gitVersion": kubernetes,
+        "gitMajor": major,
+        "gitMinor": minor,
+        "gitCommit": "rolloutfleet-build",
+        "gitTreeState": "clean",
+        "buildDate": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    flags = [
+        f"-X {package}.{key}={value}"
+        for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version")
+        for key, value in values.items()
+    ]
+    return " ".join(["-s", "-w", *flags])
+
+
+def go(args: list[str], cwd: Path, progress_label: str | None = None) -> str:
+    """Run the go tool; with a label, count the packages it compiles as progress (go build -v)."""
+    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
+    if progress_label is None:
+        result = subprocess.run(["go", *args], cwd=cwd, env=env, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"go {' '.join(args)} failed:\n{result.stderr[-4000:]}")
+        return result.stdout
+    process = subprocess.Popen(
+        ["go", *args], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    assert process.stdout is not None
+    tail: list[str] = []
+    started = time.monotonic()
+    count = 0
+    for line in process.stdout:
+        count += 1
+        tail = [*tail[-40:], line.rstrip()]
+        if count % 100 == 0:
+            say(f"{progress_label}: {count} packages compiled, {time.monotonic() - started:.0f}s")
+    if process.wait() != 0:
+        raise RuntimeError(f"go {' '.join(args[:2])} failed:\n" + "\n".join(tail))
+    say(f"{progress_label}: done ({count} packages, {time.monotonic() - started:.0f}s)")
+    return ""
+
+
+def resolve_versions(work: Path, kubernetes: str, helm: str) -> tuple[Versions, list[str]]:
+    work.mkdir(parents=True, exist_ok=True)
+    info = json.loads(go(["mod", "download", "-json", f"k8s.io/kubernetes@{kubernetes}"], cwd=work))
+    go_mod = Path(info["GoMod"]).read_text()
+    etcd = required_version(go_mod, "go.etcd.io/etcd/client/v3")
+    if etcd is None:
+        raise RuntimeError("the Kubernetes release does not pin go.etcd.io/etcd/client/v3")
+    versions = Versions(kubernetes=kubernetes, staging=staging_version(kubernetes), etcd=etcd, helm=helm)
+    return versions, staging_modules(go_mod)
+
+
+def build(bin_dir: Path, kubernetes: str = KUBERNETES_VERSION, helm: str = HELM_VERSION) -> Path:
+    """Build every binary missing from bin_dir; returns bin_dir."""
+    work = bin_dir.parent / "src"
+    versions, staging = resolve_versions(work, kubernetes, helm)
+    say(
+        f"Kubernetes {versions.kubernetes} (staging {versions.staging}, {len(staging)} modules), "
+        f"etcd {versions.etcd}, helm {versions.helm}"
+    )
+    go_version = re.search(r"go(\d+\.\d+)", go(["env", "GOVERSION"], cwd=work)).group(1)
+    (work / "go.mod").write_text(wrapper_go_mod(versions, staging, go_version))
+    (work / "go.sum").touch()
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    missing_kube = [c for c in ("etcd", *KUBE_COMMANDS) if not (bin_dir / c).exists()]
+    if missing_kube:
+        say("resolving module requirements (downloads from the Go module proxy)")
+        packages = [f"k8s.io/kubernetes/cmd/{c}" for c in KUBE_COMMANDS] + ["go.etcd.io/etcd/server/v3"]
+        go(
+            [
+                "get",
+                *[f"{p}@{versions.kubernetes}" for p in packages[:-1]],
+                f"{packages[-1]}@{versions.etcd}",
+            ],
+            cwd=work,
+        )
+        staging_dir = bin_dir.parent / "staging-bin"
+        staging_dir.mkdir(exist_ok=True)
+        go(
+            [
+                "build",
+                "-v",
+                "-trimpath",
+                "-ldflags",
+                version_ldflags(versions.kubernetes),
+                "-o",
+                str(staging_dir) + "/",
+                *packages,
+            ],
+            cwd=work,
+            progress_label="kubernetes + etcd",
+        )
+        (staging_dir / "v3").rename(
+            staging_dir / "etcd"
+        )  # go names the etcd binary after its module's last part
+        for name in ("etcd", *KUBE_COMMANDS):
+            os.replace(staging_dir / name, bin_dir / name)
+    if not (bin_dir / "helm").exists():
+        helm_dir = bin_dir.parent / "helm-src"
+        helm_dir.mkdir(exist_ok=True)
+        flags = f"-s -w -X helm.sh/helm/v3/internal/version.version={versions.helm}"
+        env_bin = {"GOBIN": str(bin_dir)}
+        os.environ.update(env_bin)
+        go(
+            ["install", "-v", "-trimpath", "-ldflags", flags, f"helm.sh/helm/v3/cmd/helm@{versions.helm}"],
+            cwd=helm_dir,
+            progress_label="helm",
+        )
+    return bin_dir
+
+
+def binaries_dir() -> Path:
+    """Where the binaries are: ROLLOUTFLEET_K8S_ASSETS if it holds them all, else the per-version cache."""
+    assets = os.environ.get(ASSETS_ENV) or os.environ.get("KUBEBUILDER_ASSETS")
+    if assets and all((Path(assets) / b).exists() for b in BINARIES):
+        return Path(assets)
+    return cache_root() / KUBERNETES_VERSION / "bin"
+
+
+def ensure_binaries() -> Path:
+    bin_dir = binaries_dir()
+    if all((bin_dir / b).exists() for b in BINARIES):
+        return bin_dir
+    if shutil.which("go") is None:
+        raise RuntimeError("Go is needed to build the control plane (or set ROLLOUTFLEET_K8S_ASSETS)")
+    say(f"building control-plane binaries into {bin_dir} (first run only; tens of minutes on 2 cores)")
+    return build(bin_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Build (or find) the local control plane's binaries.")
+    parser.parse_args(argv)
+    print(ensure_binaries())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
