@@ -58,3 +58,52 @@ def test_version_ldflags_stamp_both_version_packages():
     for package in ("k8s.io/component-base/version", "k8s.io/client-go/pkg/version"):
         assert f"-X {package}.gitVersion=v1.35.4" in flags
         assert f"-X {package}.gitMajor=1" in flags and f"-X {package}.gitMinor=35" in flags
+
+
+def test_pki_issues_a_chain_the_api_server_and_clients_can_use(tmp_path):
+    import ipaddress
+    import json
+
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from rolloutfleet_testkit.controlplane.pki import create_pki, kubeconfig
+
+    pki = create_pki(tmp_path / "pki")
+    ca = x509.load_pem_x509_certificate(pki.ca_cert.read_bytes())
+    server = x509.load_pem_x509_certificate(pki.path("apiserver.crt").read_bytes())
+    server.verify_directly_issued_by(ca)
+    alt = server.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert ipaddress.ip_address("127.0.0.1") in alt.get_values_for_type(x509.IPAddress)
+    assert "kubernetes.default.svc" in alt.get_values_for_type(x509.DNSName)
+    admin = x509.load_pem_x509_certificate(pki.client("admin")[0].read_bytes())
+    admin.verify_directly_issued_by(ca)
+    assert admin.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)[0].value == "system:masters"
+    usage = admin.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert ExtendedKeyUsageOID.CLIENT_AUTH in usage
+    assert oct(pki.path("ca.key").stat().st_mode & 0o777) == "0o600"
+    config = json.loads(kubeconfig("https://127.0.0.1:6443", pki, "scheduler"))
+    assert config["users"][0]["user"]["client-certificate"].endswith("scheduler.crt")
+
+
+def test_component_command_lines(tmp_path):
+    from pathlib import Path
+
+    from rolloutfleet_testkit.controlplane.cluster import component_args
+    from rolloutfleet_testkit.controlplane.pki import Pki
+
+    ports = {
+        "etcd": 2379,
+        "etcd-peer": 2380,
+        "kube-apiserver": 6443,
+        "kube-controller-manager": 10257,
+        "kube-scheduler": 10259,
+    }
+    pki = Pki(tmp_path / "pki")
+    apiserver = component_args("kube-apiserver", Path("/bin"), tmp_path, pki, ports)
+    assert apiserver[0] == "/bin/kube-apiserver"
+    assert "--etcd-servers=http://127.0.0.1:2379" in apiserver and "--authorization-mode=RBAC" in apiserver
+    assert "--bind-address=127.0.0.1" in apiserver and "--endpoint-reconciler-type=none" in apiserver
+    scheduler = component_args("kube-scheduler", Path("/bin"), tmp_path, pki, ports)
+    assert "--leader-elect=false" in scheduler and "--secure-port=10259" in scheduler
+    with pytest.raises(ValueError):
+        component_args("kubelet", Path("/bin"), tmp_path, pki, ports)

@@ -56,7 +56,9 @@ def staging_version(kubernetes: str) -> str:
 
 def staging_modules(go_mod: str) -> list[str]:
     """Modules the release requires at exactly v0.0.0 (not pseudo-versions): those it points at ./staging."""
-    return sorted(set(re.findall(r"^\s*(k8s\.io/[\w./-]+) v0\.0\.0[ \t]*(?://.*)?$", go_mod, flags=re.MULTILINE)))
+    return sorted(
+        set(re.findall(r"^\s*(k8s\.io/[\w./-]+) v0\.0\.0[ \t]*(?://.*)?$", go_mod, flags=re.MULTILINE))
+    )
 
 
 def required_version(go_mod: str, module: str) -> str | None:
