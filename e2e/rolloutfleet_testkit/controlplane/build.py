@@ -175,9 +175,8 @@ def build(bin_dir: Path, kubernetes: str = KUBERNETES_VERSION, helm: str = HELM_
             cwd=work,
             progress_label="kubernetes + etcd",
         )
-        (staging_dir / "v3").rename(
-            staging_dir / "etcd"
-        )  # go names the etcd binary after its module's last part
+        # go names a binary after its package path minus the major-version suffix: .../server/v3 -> server
+        (staging_dir / "server").rename(staging_dir / "etcd")
         for name in ("etcd", *KUBE_COMMANDS):
             os.replace(staging_dir / name, bin_dir / name)
     if not (bin_dir / "helm").exists():

@@ -185,6 +185,13 @@ def up(directory: Path | None = None, timeout_s: float = 120) -> ClusterState:
 
 
 def _alive(pid: int) -> bool:
+    # When `up` ran in this process (tests), an exited component is our zombie until reaped, and a
+    # zombie still answers kill(pid, 0): reap it first.
+    try:
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass  # not our child (`up` ran in another process): init reaps it
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

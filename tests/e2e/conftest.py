@@ -1,0 +1,78 @@
+"""The cluster the e2e suite runs against.
+
+Cluster-agnostic: with KUBECONFIG set, the tests use that cluster (e.g. kind); otherwise they start
+the local control plane (binaries built from the Go module proxy on first use, then cached) for
+the test session and stop it at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class Cluster:
+    kubeconfig: str
+    kubelet: Any | None  # the in-process ProcessKubelet, None on an external cluster
+    local: bool
+    bin_dir: Path | None  # where kubectl and helm are (local control plane), else from PATH
+
+    def kubectl(
+        self, *args: str, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess:
+        kubectl = str(self.bin_dir / "kubectl") if self.bin_dir else shutil.which("kubectl")
+        result = subprocess.run(
+            [kubectl, "--kubeconfig", self.kubeconfig, *args],
+            capture_output=True,
+            text=True,
+            input=input,
+            timeout=60,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
+        return result
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    external = os.environ.get("KUBECONFIG")
+    if external:
+        yield Cluster(external, None, local=False, bin_dir=None)
+        return
+    from rolloutfleet_testkit.controlplane.build import ensure_binaries
+    from rolloutfleet_testkit.controlplane.cluster import down, up
+
+    bin_dir = ensure_binaries()
+    root = tmp_path_factory.mktemp("cluster")
+    state = up(root)
+    try:
+        yield Cluster(state.kubeconfig, None, local=True, bin_dir=bin_dir)
+    finally:
+        down(root)
+
+
+@pytest.fixture(scope="session")
+def kube(cluster: Cluster):
+    from kubernetes import config
+
+    return config.new_client_from_config(config_file=cluster.kubeconfig)
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace per test, deleted afterwards."""
+    name = "t-" + re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:40].strip("-")
+    cluster.kubectl("create", "namespace", name)
+    try:
+        yield name
+    finally:
+        cluster.kubectl("delete", "namespace", name, "--wait=false", check=False)
