@@ -1,4 +1,6 @@
-"""`rolloutfleet-demo`: the proxy in front of the CPU reference engine, a few sessions through it, /stats.
+"""`rolloutfleet-demo --local`: the proxy in front of the CPU reference engine, sessions through it, /stats.
+
+Without --local, `rolloutfleet-demo` runs the same on the local Kubernetes cluster (cluster_demo.py).
 
 Everything runs as real local processes on 127.0.0.1: the reference engine (a test stand-in for a
 GPU SGLang server), the proxy, and rollout sessions sent with the official `openai` client.
@@ -60,7 +62,16 @@ async def run_session(proxy_url: str, questions: list[str], index: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work-dir", type=Path, default=None, help="where logs and dumps go (default: temp)")
+    parser.add_argument(
+        "--local",
+        action="store_true",
+        help="plain local processes only, no cluster (the default runs on the local cluster)",
+    )
     args = parser.parse_args(argv)
+    if not args.local:
+        from rolloutfleet_testkit.cluster_demo import main as cluster_main
+
+        return cluster_main()
     cache = Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet"))
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="rolloutfleet-demo-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -2,11 +2,13 @@
 
 Cluster-agnostic: with KUBECONFIG set, the tests use that cluster (e.g. kind); otherwise they start
 the local control plane (binaries built from the Go module proxy on first use, then cached) for
-the test session and stop it at the end.
+the test session and stop it at the end, with the process kubelet (a test harness, in this
+process) registering rf-cpu-node and rf-gpu-node and running scheduled pods as local processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -42,11 +44,29 @@ class Cluster:
         return result
 
 
+@contextlib.contextmanager
+def process_kubelet(kubeconfig: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """The process kubelet (test harness) in this process: rf-cpu-node and rf-gpu-node run pods."""
+    from rolloutfleet_testkit.kubelet import ProcessKubelet
+
+    kubelet = ProcessKubelet(kubeconfig, tmp_path_factory.mktemp("kubelet")).start()
+    try:
+        yield kubelet
+    finally:
+        kubelet.stop()
+
+
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     external = os.environ.get("KUBECONFIG")
     if external:
-        yield Cluster(external, None, local=False, bin_dir=None)
+        # An external cluster has its own kubelets; ROLLOUTFLEET_PROCESS_KUBELET=1 adds the process
+        # kubelet's nodes anyway (e.g. for a control plane started with `controlplane up`).
+        if os.environ.get("ROLLOUTFLEET_PROCESS_KUBELET") == "1":
+            with process_kubelet(external, tmp_path_factory) as kubelet:
+                yield Cluster(external, kubelet, local=False, bin_dir=None)
+        else:
+            yield Cluster(external, None, local=False, bin_dir=None)
         return
     from rolloutfleet_testkit.controlplane.build import ensure_binaries
     from rolloutfleet_testkit.controlplane.cluster import down, up
@@ -55,7 +75,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     root = tmp_path_factory.mktemp("cluster")
     state = up(root)
     try:
-        yield Cluster(state.kubeconfig, None, local=True, bin_dir=bin_dir)
+        with process_kubelet(state.kubeconfig, tmp_path_factory) as kubelet:
+            yield Cluster(state.kubeconfig, kubelet, local=True, bin_dir=bin_dir)
     finally:
         down(root)
 

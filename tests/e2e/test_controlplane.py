@@ -21,7 +21,7 @@ spec:
     metadata: {labels: {app: web}}
     spec:
       containers:
-      - {name: web, image: python:3.11, command: ["python3", "-m", "http.server"]}
+      - {name: web, image: busybox, command: ["sleep", "600"]}
 """
 
 

@@ -1,0 +1,168 @@
+"""A sample workload for the local cluster, until the operator (issue #4) builds the real one:
+CPU reference engines (test stand-ins for SGLang) on the GPU node, the real SGLang router with
+Kubernetes service discovery in front of them, and a proxy pointed at the router.
+
+Pure builders: each returns the manifests as dicts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+ENGINE_PORT = 30000
+ROUTER_PORT = 30080
+PROXY_PORT = 8000
+ENGINE_LABELS = {"app.kubernetes.io/name": "sample-engine"}
+POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
+def _http_probe(path: str, port: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": 1, "failureThreshold": 60}
+
+
+def router_rbac(namespace: str) -> list[dict[str, Any]]:
+    """The router's service discovery lists and watches pods: exactly that, in this namespace."""
+    meta = {"name": "sample-router", "namespace": namespace}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "sample-router"},
+            "subjects": [{"kind": "ServiceAccount", "name": "sample-router", "namespace": namespace}],
+        },
+    ]
+
+
+def engines(namespace: str, replicas: int, tokenizer_dir: str) -> dict[str, Any]:
+    """SGLang engine Deployment on GPU nodes (the process kubelet runs the reference engine for it)."""
+    container = {
+        "name": "engine",
+        "image": "lmsysorg/sglang:latest",
+        "command": ["python3", "-m", "sglang.launch_server"],
+        "args": [
+            "--model-path",
+            "/models/tokenizer",
+            "--host",
+            "$(POD_IP)",
+            "--port",
+            str(ENGINE_PORT),
+            "--tp-size",
+            "1",
+        ],
+        "env": [POD_IP_ENV],
+        "resources": {"limits": {"nvidia.com/gpu": "1"}},
+        "volumeMounts": [{"name": "model", "mountPath": "/models/tokenizer", "readOnly": True}],
+        "readinessProbe": _http_probe("/health", ENGINE_PORT),
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "sample-engine", "namespace": namespace},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": ENGINE_LABELS},
+            "template": {
+                "metadata": {"labels": ENGINE_LABELS},
+                "spec": {
+                    "containers": [container],
+                    "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+                    "volumes": [{"name": "model", "hostPath": {"path": tokenizer_dir, "type": "Directory"}}],
+                },
+            },
+        },
+    }
+
+
+def router(namespace: str) -> dict[str, Any]:
+    selector = [f"{k}={v}" for k, v in ENGINE_LABELS.items()]
+    container = {
+        "name": "router",
+        "image": "lmsysorg/sglang-router:latest",
+        "command": ["python3", "-m", "sglang_router.launch_router"],
+        "args": [
+            "--host",
+            "$(POD_IP)",
+            "--port",
+            str(ROUTER_PORT),
+            "--service-discovery",
+            "--selector",
+            *selector,
+            "--service-discovery-port",
+            str(ENGINE_PORT),
+            "--service-discovery-namespace",
+            namespace,
+            "--policy",
+            "round_robin",
+            "--prometheus-host",
+            "$(POD_IP)",
+            "--prometheus-port",
+            "29000",
+            "--log-level",
+            "warn",
+        ],
+        "env": [POD_IP_ENV],
+        "readinessProbe": _http_probe("/health", ROUTER_PORT),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "sample-router",
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/name": "sample-router"},
+        },
+        "spec": {"serviceAccountName": "sample-router", "containers": [container]},
+    }
+
+
+def proxy(namespace: str, upstream_url: str, tokenizer_dir: str, admin_key: str) -> dict[str, Any]:
+    container = {
+        "name": "proxy",
+        "image": "rolloutfleet-proxy:dev",
+        "args": [
+            "--host",
+            "$(POD_IP)",
+            "--port",
+            str(PROXY_PORT),
+            "--upstream-url",
+            upstream_url,
+            "--tokenizer-path",
+            "/models/tokenizer",
+            "--dump-dir",
+            "/var/lib/rolloutfleet/dumps",
+            "--public-url",
+            f"http://$(POD_IP):{PROXY_PORT}",
+        ],
+        "env": [POD_IP_ENV, {"name": "ROLLOUTFLEET_PROXY_ADMIN_KEY", "value": admin_key}],
+        "volumeMounts": [
+            {"name": "model", "mountPath": "/models/tokenizer", "readOnly": True},
+            {"name": "dumps", "mountPath": "/var/lib/rolloutfleet/dumps"},
+        ],
+        "readinessProbe": _http_probe("/readyz", PROXY_PORT),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "sample-proxy-0",
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/name": "sample-proxy"},
+        },
+        "spec": {
+            "containers": [container],
+            "terminationGracePeriodSeconds": 30,
+            "volumes": [
+                {"name": "model", "hostPath": {"path": tokenizer_dir, "type": "Directory"}},
+                {"name": "dumps", "emptyDir": {}},
+            ],
+        },
+    }
