@@ -4,9 +4,9 @@ driven with kubectl. Runs unchanged on kind (KUBECONFIG) and on the local contro
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
+from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -23,16 +23,6 @@ spec:
       containers:
       - {name: web, image: busybox, command: ["sleep", "600"]}
 """
-
-
-def wait_for(predicate, timeout_s: float = 60, interval_s: float = 0.5, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def get_json(cluster, *args: str) -> dict:
@@ -55,13 +45,15 @@ def test_apply_get_describe_scale_delete(cluster, namespace):
         pods = get_json(cluster, "pods", "-n", namespace, "-l", "app=web")["items"]
         return len(pods) == 3 and pods
 
-    pods = wait_for(three_pods, what="the controller manager to create 3 pods")
+    pods = wait_for(three_pods, what="the controller manager to create 3 pods", timeout_s=60)
     # Created by the real ReplicaSet controller: owned by the ReplicaSet, which the Deployment owns.
     owners = {ref["kind"] for pod in pods for ref in pod["metadata"]["ownerReferences"]}
     assert owners == {"ReplicaSet"}
     cluster.kubectl("delete", "deployment", "web", "-n", namespace)
     wait_for(
-        lambda: not get_json(cluster, "pods", "-n", namespace)["items"], what="garbage collection of pods"
+        lambda: not get_json(cluster, "pods", "-n", namespace)["items"],
+        what="garbage collection of pods",
+        timeout_s=60,
     )
     assert not get_json(cluster, "replicasets", "-n", namespace)["items"]
 
@@ -108,4 +100,5 @@ def test_deleting_an_owner_collects_its_dependents(cluster, namespace):
             cluster.kubectl("get", "configmap", "dependent", "-n", namespace, check=False).returncode != 0
         ),
         what="the garbage collector to delete the dependent",
+        timeout_s=60,
     )

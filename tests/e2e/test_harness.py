@@ -20,18 +20,9 @@ import httpx
 import pytest
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
+from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float = 30, what: str = "condition", interval_s=0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def read(call: Callable[..., Any], *args: Any) -> dict | None:

@@ -4,24 +4,14 @@ through the Kubernetes API with its own service account's RBAC, and forgetting d
 from __future__ import annotations
 
 import json
-import time
 
 import httpx
 import pytest
 from rolloutfleet_testkit import sample_workload as sample
 from rolloutfleet_testkit.cluster_demo import wait_until_routed
+from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
-
-
-def wait_for(predicate, timeout_s: float = 120, what: str = "condition"):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def worker_urls(router_url: str) -> set[str]:
@@ -51,7 +41,9 @@ def test_router_discovers_engines_and_forgets_deleted_ones(cluster, namespace, t
     router_ip = next(p["status"]["podIP"] for p in pods if p["metadata"]["name"] == "sample-router")
     router_url = f"http://{router_ip}:{sample.ROUTER_PORT}"
     expected = {f"http://{ip}:{sample.ENGINE_PORT}" for ip in engines.values()}
-    wait_for(lambda: worker_urls(router_url) == expected, what="the router to discover both engines")
+    wait_for(
+        lambda: worker_urls(router_url) == expected, what="the router to discover both engines", timeout_s=120
+    )
     wait_until_routed(router_url)
     answer = httpx.post(
         f"{router_url}/generate",
@@ -65,4 +57,5 @@ def test_router_discovers_engines_and_forgets_deleted_ones(cluster, namespace, t
     wait_for(
         lambda: f"http://{gone_ip}:{sample.ENGINE_PORT}" not in worker_urls(router_url),
         what="the deleted engine to leave the router's worker list",
+        timeout_s=120,
     )
