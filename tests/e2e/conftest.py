@@ -9,6 +9,7 @@ process) registering rf-cpu-node and rf-gpu-node and running scheduled pods as l
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import shutil
@@ -91,7 +92,9 @@ def kube(cluster: Cluster):
 @pytest.fixture
 def namespace(cluster: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
     """A fresh namespace per test, deleted afterwards."""
-    name = "t-" + re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:40].strip("-")
+    readable = re.sub(r"[^a-z0-9-]+", "-", request.node.name.lower())[:40].strip("-")
+    # Parametrized tests share a prefix; a digest of the full id keeps their namespaces apart.
+    name = f"t-{readable}-{hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:6]}"
     cluster.kubectl("create", "namespace", name)
     try:
         yield name
