@@ -1,0 +1,46 @@
+{{- define "rolloutfleet-operator.name" -}}rolloutfleet-operator{{- end -}}
+
+{{- define "rolloutfleet-operator.labels" -}}
+app.kubernetes.io/name: rolloutfleet-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "rolloutfleet-operator.selectorLabels" -}}
+app.kubernetes.io/name: rolloutfleet-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "rolloutfleet-operator.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}{{ default (printf "%s-rolloutfleet-operator" .Release.Name) .Values.serviceAccount.name }}{{- else -}}{{ required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name }}{{- end -}}
+{{- end -}}
+
+{{/* What the operator does to fleets and their children; nothing more. */}}
+{{- define "rolloutfleet-operator.namespacedRules" -}}
+- apiGroups: [rolloutfleet.dev]
+  resources: [rolloutfleets]
+  verbs: [get, list, watch, patch, update]
+- apiGroups: [rolloutfleet.dev]
+  resources: [rolloutfleets/status]
+  verbs: [get, patch, update]
+- apiGroups: [""]
+  resources: [pods]
+  verbs: [get, list, watch, create, delete, patch]
+- apiGroups: [""]
+  resources: [services, serviceaccounts]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get, create]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, list, watch, create, patch, update, delete]
+- apiGroups: ["", events.k8s.io]
+  resources: [events]
+  verbs: [create, patch]
+{{- end -}}
