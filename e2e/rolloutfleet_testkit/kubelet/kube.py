@@ -10,100 +10,24 @@ import contextlib
 import json
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
-from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
+from kubernetes import client
 from kubernetes.watch.watch import iter_resp_lines
+
+# The generic JSON API lives with the operator (product code); the harness adds CoreV1 for informers.
+from rolloutfleet_operator.kubeapi import MERGE, STRATEGIC, KubeApi, load_configuration  # noqa: F401
 
 log = logging.getLogger("rolloutfleet.kubelet")
 
-MERGE = "application/merge-patch+json"
-STRATEGIC = "application/strategic-merge-patch+json"
 
-
-def load_configuration(kubeconfig: str) -> client.Configuration:
-    configuration = client.Configuration()
-    config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    return configuration
-
-
-class Kube:
-    """One connection pool to the API server; thread-safe (urllib3's pool is)."""
+class Kube(KubeApi):
+    """The operator's JSON API plus the typed CoreV1 client the informers list and watch with."""
 
     def __init__(self, configuration: client.Configuration):
-        self.configuration = configuration
-        self.api = client.ApiClient(configuration)
+        super().__init__(configuration)
         self.core = client.CoreV1Api(self.api)
-
-    def close(self) -> None:
-        self.api.close()
-
-    def request(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        query: Mapping[str, Any] | None = None,
-        content_type: str = "application/json",
-        timeout: float = 30,
-    ) -> dict:
-        headers = {"Accept": "application/json"}
-        if body is not None:
-            headers["Content-Type"] = content_type
-        method, url, headers, body, post = self.api.param_serialize(
-            method=method,
-            resource_path=path,
-            query_params=[(k, v) for k, v in (query or {}).items() if v is not None],
-            header_params=headers,
-            body=body,
-            auth_settings=["BearerToken"],
-        )
-        response = self.api.call_api(method, url, headers, body, post, _request_timeout=timeout)
-        response.read()
-        if not 200 <= response.status <= 299:
-            raise ApiException.from_response(
-                http_resp=response, body=response.data.decode(errors="replace"), data=None
-            )
-        return json.loads(response.data) if response.data else {}
-
-    def get(self, path: str, **query: Any) -> dict | None:
-        """The object, or None when it does not exist."""
-        try:
-            return self.request("GET", path, query=query)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    def create(self, path: str, body: Mapping) -> dict | None:
-        """Create; None when it already exists."""
-        try:
-            return self.request("POST", path, body=body)
-        except ApiException as exc:
-            if exc.status == 409:
-                return None
-            raise
-
-    def patch(self, path: str, body: Mapping, content_type: str = MERGE) -> dict | None:
-        """Patch; None when the object is gone."""
-        try:
-            return self.request("PATCH", path, body=body, content_type=content_type)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
-
-    def delete(self, path: str, body: Mapping | None = None) -> bool:
-        """Delete; False when it was already gone."""
-        try:
-            self.request("DELETE", path, body=body)
-            return True
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            raise
 
 
 def pod_path(namespace: str, name: str) -> str:

@@ -1,0 +1,155 @@
+"""The Kubernetes API with plain JSON dicts in and out, on the official (synchronous) client.
+
+The client's typed models are bypassed on purpose: manifests are built as dicts by pure functions,
+and a round trip through models would reshape them. Every method blocks: async callers run them in
+a thread (`asyncio.to_thread`), never on the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+MERGE = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"
+APPLY = "application/apply-patch+yaml"  # server-side apply (JSON is valid YAML)
+FIELD_MANAGER = "rolloutfleet-operator"
+
+# The kinds the operator manages: (apiVersion, kind) -> plural resource name.
+RESOURCES = {
+    ("v1", "Pod"): "pods",
+    ("v1", "Service"): "services",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "Secret"): "secrets",
+    ("v1", "Event"): "events",
+    ("apps/v1", "Deployment"): "deployments",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("rolloutfleet.dev/v1alpha1", "RolloutFleet"): "rolloutfleets",
+}
+
+
+def resource_path(api_version: str, kind: str, namespace: str, name: str | None = None) -> str:
+    """REST path of a namespaced object (or of its collection when name is None)."""
+    plural = RESOURCES[(api_version, kind)]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+def object_path(obj: Mapping[str, Any]) -> str:
+    meta = obj["metadata"]
+    return resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+
+
+def load_configuration(kubeconfig: str | None = None) -> client.Configuration:
+    """From a kubeconfig file, else the in-cluster service account, else the default kubeconfig."""
+    configuration = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+        return configuration
+    try:
+        config.load_incluster_config(client_configuration=configuration)
+    except config.ConfigException:
+        config.load_kube_config(client_configuration=configuration)
+    return configuration
+
+
+class KubeApi:
+    """One connection pool to the API server; thread-safe (urllib3's pool is)."""
+
+    def __init__(self, configuration: client.Configuration):
+        self.configuration = configuration
+        self.api = client.ApiClient(configuration)
+
+    def close(self) -> None:
+        self.api.close()
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
+        timeout: float = 30,
+    ) -> dict:
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        method, url, headers, body, post = self.api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=[(k, v) for k, v in (query or {}).items() if v is not None],
+            header_params=headers,
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self.api.call_api(method, url, headers, body, post, _request_timeout=timeout)
+        response.read()
+        if not 200 <= response.status <= 299:
+            raise ApiException.from_response(
+                http_resp=response, body=response.data.decode(errors="replace"), data=None
+            )
+        return json.loads(response.data) if response.data else {}
+
+    def get(self, path: str, **query: Any) -> dict | None:
+        """The object, or None when it does not exist."""
+        try:
+            return self.request("GET", path, query=query)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def create(self, path: str, body: Mapping) -> dict | None:
+        """Create; None when it already exists."""
+        try:
+            return self.request("POST", path, body=body)
+        except ApiException as exc:
+            if exc.status == 409:
+                return None
+            raise
+
+    def patch(self, path: str, body: Mapping, content_type: str = MERGE) -> dict | None:
+        """Patch; None when the object is gone."""
+        try:
+            return self.request("PATCH", path, body=body, content_type=content_type)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def delete(self, path: str, body: Mapping | None = None) -> bool:
+        """Delete; False when it was already gone."""
+        try:
+            self.request("DELETE", path, body=body)
+            return True
+        except ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    def apply(self, obj: Mapping[str, Any]) -> dict:
+        """Server-side apply: the object becomes what this manifest says for the fields it owns.
+
+        Idempotent, so the reconciler can apply its whole desired state on every pass.
+        """
+        return self.request(
+            "PATCH",
+            object_path(obj),
+            body=obj,
+            content_type=APPLY,
+            query={"fieldManager": FIELD_MANAGER, "force": "true"},
+        )
+
+    def list(
+        self, api_version: str, kind: str, namespace: str, label_selector: str | None = None
+    ) -> list[dict]:
+        return self.request(
+            "GET", resource_path(api_version, kind, namespace), query={"labelSelector": label_selector}
+        ).get("items", [])
