@@ -1,0 +1,1 @@
+"""The RolloutFleet operator: reconciles RolloutFleet resources into proxies, the gateway and engines."""
