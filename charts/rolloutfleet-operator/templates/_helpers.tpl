@@ -25,6 +25,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [rolloutfleet.dev]
   resources: [rolloutfleets/status]
   verbs: [get, patch, update]
+# Children carry blockOwnerDeletion; clusters enforcing OwnerReferencesPermission require this.
+- apiGroups: [rolloutfleet.dev]
+  resources: [rolloutfleets/finalizers]
+  verbs: [update]
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, create, delete, patch]

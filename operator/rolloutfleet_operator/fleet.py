@@ -1,0 +1,370 @@
+"""A typed, read-only view of a RolloutFleet object, and the names and labels of its children.
+
+`parse_fleet` takes the object as the API returns it (a camelCase dict). The API server has
+applied the CRD's defaults already; the same defaults are repeated here (DEFAULTS below; a test
+checks them against the CRD) so a partial object, e.g. from a test or an older stored version,
+still parses into a complete view.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+API_GROUP = "rolloutfleet.dev"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "RolloutFleet"
+
+Component = Literal["proxy", "gateway", "engine"]
+
+# Label and annotation keys.
+NAME_LABEL = "app.kubernetes.io/name"
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+COMPONENT_LABEL = "app.kubernetes.io/component"
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
+FLEET_LABEL = f"{API_GROUP}/fleet"
+ORDINAL_LABEL = f"{API_GROUP}/ordinal"
+TEMPLATE_HASH_ANNOTATION = f"{API_GROUP}/template-hash"
+APP_NAME = "rolloutfleet"
+MANAGER = "rolloutfleet-operator"
+
+# The key of the generated admin-key Secret (used when spec.proxy.adminKeySecret is not set).
+GENERATED_ADMIN_KEY_KEY = "admin-key"
+
+# The CRD's defaults, by path under spec (tests compare them with the CRD's schema).
+DEFAULTS: dict[str, Any] = {
+    "proxy.replicas": 1,
+    "proxy.image": "rolloutfleet-proxy:0.1.0",
+    "proxy.imagePullPolicy": "IfNotPresent",
+    "proxy.port": 8000,
+    "proxy.staleSessionTimeoutSeconds": 1800,
+    "proxy.cleanupIntervalSeconds": 30,
+    "proxy.drainGraceSeconds": 25,
+    "proxy.terminationGracePeriodSeconds": 60,
+    "proxy.dump.path": "/var/lib/rolloutfleet/dumps",
+    "proxy.memory.rssBudgetBytes": 0,
+    "proxy.memory.checkIntervalSeconds": 15,
+    "proxy.memory.consecutiveSamples": 3,
+    "proxy.memory.maxUnavailable": 1,
+    "proxy.memory.cooldownSeconds": 300,
+    "proxy.memory.maxCooldownSeconds": 3600,
+    "proxy.memory.dryRun": False,
+    "gateway.image": "lmsysorg/sglang-router:latest",
+    "gateway.replicas": 1,
+    "gateway.port": 30080,
+    "gateway.policy": "cache_aware",
+    "engines.replicas": 1,
+    "engines.image": "lmsysorg/sglang:latest",
+    "engines.port": 30000,
+    "engines.tensorParallelSize": 1,
+    "engines.gpusPerEngine": 1,
+}
+
+
+def _default(path: str) -> Any:
+    return DEFAULTS[path]
+
+
+def _get(section: Mapping[str, Any], key: str, path: str) -> Any:
+    value = section.get(key)
+    return _default(path) if value is None else value
+
+
+def _copy_dict(value: Any) -> dict[str, Any]:
+    return copy.deepcopy(dict(value)) if value else {}
+
+
+def _copy_list(value: Any) -> tuple[Any, ...]:
+    return tuple(copy.deepcopy(list(value))) if value else ()
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    path: str
+    volume: dict[str, Any] | None  # a pod volume source (without the name), or None (in the image)
+
+
+@dataclass(frozen=True)
+class DumpSpec:
+    path: str
+    persistent_volume_claim: dict[str, Any] | None
+    host_path: dict[str, Any] | None
+    empty_dir: dict[str, Any] | None  # None when another source is set; {} is the default
+
+
+@dataclass(frozen=True)
+class MemorySpec:
+    rss_budget_bytes: int
+    check_interval_s: int
+    consecutive_samples: int
+    max_unavailable: int
+    cooldown_s: int
+    max_cooldown_s: int
+    dry_run: bool
+
+    @property
+    def enabled(self) -> bool:
+        return self.rss_budget_bytes > 0
+
+
+@dataclass(frozen=True)
+class SecretKeyRef:
+    name: str
+    key: str
+
+
+@dataclass(frozen=True)
+class ProxySpec:
+    replicas: int
+    image: str
+    image_pull_policy: str
+    port: int
+    resources: dict[str, Any]
+    tokenizer: TokenizerSpec
+    stale_session_timeout_s: float
+    cleanup_interval_s: float
+    drain_grace_s: int
+    termination_grace_period_s: int
+    dump: DumpSpec
+    memory: MemorySpec
+    env: tuple[dict[str, Any], ...]
+    admin_key_secret: SecretKeyRef | None  # None: the operator generates `<fleet>-admin-key`
+
+
+@dataclass(frozen=True)
+class GatewaySpec:
+    image: str
+    replicas: int
+    port: int
+    policy: str
+    extra_args: tuple[str, ...]
+    node_selector: dict[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+    resources: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    replicas: int
+    image: str
+    model_path: str
+    port: int
+    tensor_parallel_size: int
+    gpus_per_engine: int
+    args: tuple[str, ...]
+    node_selector: dict[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+    resources: dict[str, Any]
+    volumes: tuple[dict[str, Any], ...]
+    volume_mounts: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class Fleet:
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+    labels: dict[str, str]
+    proxy: ProxySpec
+    gateway: GatewaySpec
+    engines: EngineSpec | None
+    external_engine_urls: tuple[str, ...]
+
+    @property
+    def admin_key_ref(self) -> SecretKeyRef:
+        """Where the proxies' admin key lives: the spec's Secret, or the generated one."""
+        if self.proxy.admin_key_secret is not None:
+            return self.proxy.admin_key_secret
+        return SecretKeyRef(generated_admin_key_secret_name(self), GENERATED_ADMIN_KEY_KEY)
+
+    @property
+    def generates_admin_key(self) -> bool:
+        return self.proxy.admin_key_secret is None
+
+
+def _parse_dump(raw: Mapping[str, Any]) -> DumpSpec:
+    pvc = raw.get("persistentVolumeClaim")
+    host = raw.get("hostPath")
+    empty = raw.get("emptyDir")
+    if pvc is None and host is None and empty is None:
+        empty = {}
+    return DumpSpec(
+        path=_get(raw, "path", "proxy.dump.path"),
+        persistent_volume_claim=_copy_dict(pvc) if pvc is not None else None,
+        host_path=_copy_dict(host) if host is not None else None,
+        empty_dir=_copy_dict(empty) if empty is not None else None,
+    )
+
+
+def _parse_memory(raw: Mapping[str, Any]) -> MemorySpec:
+    return MemorySpec(
+        rss_budget_bytes=int(_get(raw, "rssBudgetBytes", "proxy.memory.rssBudgetBytes")),
+        check_interval_s=int(_get(raw, "checkIntervalSeconds", "proxy.memory.checkIntervalSeconds")),
+        consecutive_samples=int(_get(raw, "consecutiveSamples", "proxy.memory.consecutiveSamples")),
+        max_unavailable=int(_get(raw, "maxUnavailable", "proxy.memory.maxUnavailable")),
+        cooldown_s=int(_get(raw, "cooldownSeconds", "proxy.memory.cooldownSeconds")),
+        max_cooldown_s=int(_get(raw, "maxCooldownSeconds", "proxy.memory.maxCooldownSeconds")),
+        dry_run=bool(_get(raw, "dryRun", "proxy.memory.dryRun")),
+    )
+
+
+def _parse_proxy(raw: Mapping[str, Any]) -> ProxySpec:
+    tokenizer = raw.get("tokenizer") or {}
+    if not tokenizer.get("path"):
+        raise ValueError("spec.proxy.tokenizer.path is required")
+    admin = raw.get("adminKeySecret")
+    return ProxySpec(
+        replicas=int(_get(raw, "replicas", "proxy.replicas")),
+        image=_get(raw, "image", "proxy.image"),
+        image_pull_policy=_get(raw, "imagePullPolicy", "proxy.imagePullPolicy"),
+        port=int(_get(raw, "port", "proxy.port")),
+        resources=_copy_dict(raw.get("resources")),
+        tokenizer=TokenizerSpec(
+            path=tokenizer["path"],
+            volume=_copy_dict(tokenizer["volume"]) if tokenizer.get("volume") else None,
+        ),
+        stale_session_timeout_s=_get(raw, "staleSessionTimeoutSeconds", "proxy.staleSessionTimeoutSeconds"),
+        cleanup_interval_s=_get(raw, "cleanupIntervalSeconds", "proxy.cleanupIntervalSeconds"),
+        drain_grace_s=int(_get(raw, "drainGraceSeconds", "proxy.drainGraceSeconds")),
+        termination_grace_period_s=int(
+            _get(raw, "terminationGracePeriodSeconds", "proxy.terminationGracePeriodSeconds")
+        ),
+        dump=_parse_dump(raw.get("dump") or {}),
+        memory=_parse_memory(raw.get("memory") or {}),
+        env=_copy_list(raw.get("env")),
+        admin_key_secret=SecretKeyRef(admin["name"], admin["key"]) if admin else None,
+    )
+
+
+def _parse_gateway(raw: Mapping[str, Any]) -> GatewaySpec:
+    return GatewaySpec(
+        image=_get(raw, "image", "gateway.image"),
+        replicas=int(_get(raw, "replicas", "gateway.replicas")),
+        port=int(_get(raw, "port", "gateway.port")),
+        policy=_get(raw, "policy", "gateway.policy"),
+        extra_args=tuple(str(a) for a in raw.get("extraArgs") or ()),
+        node_selector=_copy_dict(raw.get("nodeSelector")),
+        tolerations=_copy_list(raw.get("tolerations")),
+        resources=_copy_dict(raw.get("resources")),
+    )
+
+
+def _parse_engines(raw: Mapping[str, Any]) -> EngineSpec:
+    if not raw.get("modelPath"):
+        raise ValueError("spec.engines.modelPath is required")
+    return EngineSpec(
+        replicas=int(_get(raw, "replicas", "engines.replicas")),
+        image=_get(raw, "image", "engines.image"),
+        model_path=raw["modelPath"],
+        port=int(_get(raw, "port", "engines.port")),
+        tensor_parallel_size=int(_get(raw, "tensorParallelSize", "engines.tensorParallelSize")),
+        gpus_per_engine=int(_get(raw, "gpusPerEngine", "engines.gpusPerEngine")),
+        args=tuple(str(a) for a in raw.get("args") or ()),
+        node_selector=_copy_dict(raw.get("nodeSelector")),
+        tolerations=_copy_list(raw.get("tolerations")),
+        resources=_copy_dict(raw.get("resources")),
+        volumes=_copy_list(raw.get("volumes")),
+        volume_mounts=_copy_list(raw.get("volumeMounts")),
+    )
+
+
+def parse_fleet(obj: Mapping[str, Any]) -> Fleet:
+    """The typed view of a RolloutFleet object (as returned by the API: a camelCase dict).
+
+    Raises ValueError when required fields are missing or both/neither of spec.engines and
+    spec.externalEngineUrls are set (the CRD's CEL rules reject such objects; this is a guard).
+    """
+    metadata = obj.get("metadata") or {}
+    spec = obj.get("spec") or {}
+    if not metadata.get("name"):
+        raise ValueError("metadata.name is required")
+    if "proxy" not in spec:
+        raise ValueError("spec.proxy is required")
+    engines_raw = spec.get("engines")
+    urls = tuple(spec.get("externalEngineUrls") or ())
+    if (engines_raw is None) == (not urls):
+        raise ValueError("set exactly one of spec.engines or spec.externalEngineUrls")
+    return Fleet(
+        name=metadata["name"],
+        namespace=metadata.get("namespace") or "default",
+        uid=metadata.get("uid") or "",
+        generation=int(metadata.get("generation") or 0),
+        labels=dict(metadata.get("labels") or {}),
+        proxy=_parse_proxy(spec["proxy"] or {}),
+        gateway=_parse_gateway(spec.get("gateway") or {}),
+        engines=_parse_engines(engines_raw) if engines_raw is not None else None,
+        external_engine_urls=urls,
+    )
+
+
+# --- names ---------------------------------------------------------------------------------------
+
+
+def proxy_pod_name(fleet: Fleet, ordinal: int) -> str:
+    return f"{fleet.name}-proxy-{ordinal}"
+
+
+def proxy_ordinal(fleet: Fleet, pod_name: str) -> int | None:
+    """The ordinal in a proxy pod's name (`<fleet>-proxy-<i>`), or None for any other name."""
+    prefix = f"{fleet.name}-proxy-"
+    if not pod_name.startswith(prefix):
+        return None
+    rest = pod_name[len(prefix) :]
+    if not rest.isdigit() or (len(rest) > 1 and rest.startswith("0")):
+        return None
+    return int(rest)
+
+
+def headless_service_name(fleet: Fleet) -> str:
+    """The headless Service giving each proxy pod its DNS name `<pod>.<headless>.<ns>.svc`."""
+    return f"{fleet.name}-proxies"
+
+
+def client_service_name(fleet: Fleet) -> str:
+    """The ClusterIP Service in front of all proxies."""
+    return f"{fleet.name}-proxy"
+
+
+def gateway_name(fleet: Fleet) -> str:
+    """Name of the gateway Deployment, Service, ServiceAccount, Role and RoleBinding."""
+    return f"{fleet.name}-gateway"
+
+
+def engine_name(fleet: Fleet) -> str:
+    return f"{fleet.name}-engine"
+
+
+def generated_admin_key_secret_name(fleet: Fleet) -> str:
+    return f"{fleet.name}-admin-key"
+
+
+def proxy_public_url(fleet: Fleet, ordinal: int) -> str:
+    """A proxy pod's stable URL through the headless Service's per-pod DNS record."""
+    pod = proxy_pod_name(fleet, ordinal)
+    return f"http://{pod}.{headless_service_name(fleet)}.{fleet.namespace}.svc:{fleet.proxy.port}"
+
+
+def gateway_url(fleet: Fleet) -> str:
+    return f"http://{gateway_name(fleet)}.{fleet.namespace}.svc:{fleet.gateway.port}"
+
+
+# --- labels --------------------------------------------------------------------------------------
+
+
+def labels(fleet: Fleet, component: Component) -> dict[str, str]:
+    """The labels of a child of the fleet; also the selector of that component's pods."""
+    return {
+        NAME_LABEL: APP_NAME,
+        INSTANCE_LABEL: fleet.name,
+        COMPONENT_LABEL: component,
+        MANAGED_BY_LABEL: MANAGER,
+        FLEET_LABEL: fleet.name,
+    }
+
+
+def selector_string(fleet: Fleet, component: Component) -> str:
+    """The component's label selector as `k=v,k=v` (status.selector, list calls)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(labels(fleet, component).items()))

@@ -1,0 +1,468 @@
+"""Pure builders of the fleet's child objects: a Fleet in, Kubernetes manifests (dicts) out.
+
+Every child carries the fleet's labels for its component and a controller ownerReference to the
+fleet, so garbage collection removes it with the fleet. Proxy pods are built one at a time
+(`proxy_pod`) because the reconciler creates, replaces and deletes them individually under stable
+names; everything else comes from `desired_children`. The admin-key Secret is built on its own
+(`admin_key_secret`): its value is random, so it is created once and never re-applied.
+
+Proxy settings reach the proxy as environment variables named by `rolloutfleet_proxy.settings.ENV`,
+the proxy's own table, so the operator and the proxy cannot disagree on a name.
+
+Servers bind `$(POD_IP)` (the pod's own address, from the downward API) rather than 0.0.0.0: on a
+real cluster each pod has its own network namespace either way, and on the process kubelet of the
+test harness, where pods share the host's, 0.0.0.0 on a fixed port would collide between pods.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from typing import Any
+
+from rolloutfleet_proxy.settings import ENV
+
+from .fleet import (
+    API_VERSION,
+    KIND,
+    ORDINAL_LABEL,
+    TEMPLATE_HASH_ANNOTATION,
+    Component,
+    Fleet,
+    client_service_name,
+    engine_name,
+    gateway_name,
+    gateway_url,
+    headless_service_name,
+    labels,
+    proxy_pod_name,
+)
+
+Manifest = dict[str, Any]
+
+PROXY_CONTAINER = "proxy"
+GATEWAY_CONTAINER = "router"
+ENGINE_CONTAINER = "engine"
+GPU_RESOURCE = "nvidia.com/gpu"
+GATEWAY_METRICS_PORT = 29000
+NONROOT_ID = 65532
+
+POD_IP_ENV: Manifest = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+TOKENIZER_VOLUME = "tokenizer"
+DUMP_VOLUME = "dumps"
+TMP_VOLUME = "tmp"
+SHM_VOLUME = "rolloutfleet-shm"
+
+
+# --- common parts --------------------------------------------------------------------------------
+
+
+def owner_reference(fleet: Fleet) -> Manifest:
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": fleet.name,
+        "uid": fleet.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(fleet: Fleet, name: str, component: Component) -> Manifest:
+    return {
+        "name": name,
+        "namespace": fleet.namespace,
+        "labels": labels(fleet, component),
+        "ownerReferences": [owner_reference(fleet)],
+    }
+
+
+def _http_probe(path: str, port: int, period_s: int, failure_threshold: int, timeout_s: int = 2) -> Manifest:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period_s,
+        "timeoutSeconds": timeout_s,
+        "failureThreshold": failure_threshold,
+    }
+
+
+def _setting(value: Any) -> str:
+    """An environment variable's value for a number or string setting (1800.0 -> "1800")."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _env(name: str, value: Any) -> Manifest:
+    return {"name": name, "value": _setting(value)}
+
+
+def _with_overrides(base: list[Manifest], extra: tuple[Manifest, ...]) -> list[Manifest]:
+    """`base` followed by `extra`; an `extra` entry replaces a `base` entry of the same name."""
+    overridden = {entry["name"] for entry in extra}
+    return [entry for entry in base if entry["name"] not in overridden] + [copy.deepcopy(e) for e in extra]
+
+
+def _merge_resources(resources: dict[str, Any], gpus: int) -> Manifest:
+    merged = copy.deepcopy(resources)
+    if gpus > 0:
+        # Extended resources cannot be overcommitted: a request, if any, must equal the limit.
+        merged.setdefault("limits", {})[GPU_RESOURCE] = str(gpus)
+        if GPU_RESOURCE in merged.get("requests", {}):
+            merged["requests"][GPU_RESOURCE] = str(gpus)
+    return merged
+
+
+# --- proxy pods ----------------------------------------------------------------------------------
+
+
+def _dump_volume(fleet: Fleet) -> Manifest:
+    dump = fleet.proxy.dump
+    if dump.persistent_volume_claim is not None:
+        return {
+            "name": DUMP_VOLUME,
+            "persistentVolumeClaim": {"claimName": dump.persistent_volume_claim["claimName"]},
+        }
+    if dump.host_path is not None:
+        return {
+            "name": DUMP_VOLUME,
+            "hostPath": {"path": dump.host_path["path"], "type": "DirectoryOrCreate"},
+        }
+    return {"name": DUMP_VOLUME, "emptyDir": copy.deepcopy(dump.empty_dir or {})}
+
+
+def _proxy_env(fleet: Fleet, pod_name: str, public_url: str) -> list[Manifest]:
+    proxy = fleet.proxy
+    secret = fleet.admin_key_ref
+    injected = [
+        POD_IP_ENV,
+        _env(ENV["upstream_url"], gateway_url(fleet)),
+        _env(ENV["tokenizer_path"], proxy.tokenizer.path),
+        _env(ENV["stale_session_timeout_s"], proxy.stale_session_timeout_s),
+        _env(ENV["cleanup_interval_s"], proxy.cleanup_interval_s),
+        _env(ENV["dump_dir"], f"{proxy.dump.path.rstrip('/')}/{pod_name}"),
+        _env(ENV["drain_grace_s"], proxy.drain_grace_s),
+        _env(ENV["public_url"], public_url),
+        {
+            "name": ENV["admin_key"],
+            "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
+        },
+    ]
+    return _with_overrides(copy.deepcopy(injected), proxy.env)
+
+
+def _proxy_pod_body(fleet: Fleet, pod_name: str) -> Manifest:
+    """The proxy pod for `pod_name`, without the ordinal label and the template hash."""
+    proxy = fleet.proxy
+    headless = headless_service_name(fleet)
+    public_url = f"http://{pod_name}.{headless}.{fleet.namespace}.svc:{proxy.port}"
+    mounts: list[Manifest] = []
+    volumes: list[Manifest] = []
+    if proxy.tokenizer.volume is not None:
+        volumes.append({**copy.deepcopy(proxy.tokenizer.volume), "name": TOKENIZER_VOLUME})
+        mounts.append({"name": TOKENIZER_VOLUME, "mountPath": proxy.tokenizer.path, "readOnly": True})
+    volumes.append(_dump_volume(fleet))
+    mounts.append({"name": DUMP_VOLUME, "mountPath": proxy.dump.path})
+    # Last, so a process-kubelet bind mount over /tmp cannot hide the sources of the others.
+    volumes.append({"name": TMP_VOLUME, "emptyDir": {}})
+    mounts.append({"name": TMP_VOLUME, "mountPath": "/tmp"})
+    container: Manifest = {
+        "name": PROXY_CONTAINER,
+        "image": proxy.image,
+        "imagePullPolicy": proxy.image_pull_policy,
+        "args": ["--host", "$(POD_IP)", "--port", str(proxy.port)],
+        "env": _proxy_env(fleet, pod_name, public_url),
+        "ports": [{"name": "http", "containerPort": proxy.port, "protocol": "TCP"}],
+        "volumeMounts": mounts,
+        # Restoring a predecessor's sessions can take a while: the startup probe holds the
+        # liveness probe off for up to 5 minutes; readiness gates traffic until the proxy has started.
+        "startupProbe": _http_probe("/healthz", proxy.port, period_s=2, failure_threshold=150),
+        "readinessProbe": _http_probe("/readyz", proxy.port, period_s=5, failure_threshold=2),
+        "livenessProbe": _http_probe("/healthz", proxy.port, period_s=10, failure_threshold=6, timeout_s=5),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": NONROOT_ID,
+            "runAsGroup": NONROOT_ID,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    if proxy.resources:
+        container["resources"] = copy.deepcopy(proxy.resources)
+    metadata = _metadata(fleet, pod_name, "proxy")
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": metadata,
+        "spec": {
+            "hostname": pod_name,
+            "subdomain": headless,
+            "restartPolicy": "Always",
+            "terminationGracePeriodSeconds": proxy.termination_grace_period_s,
+            # The proxy never calls the API; and service links could inject variables such as
+            # ROLLOUTFLEET_PROXY_PORT=tcp://... for a Service named "rolloutfleet-proxy".
+            "automountServiceAccountToken": False,
+            "enableServiceLinks": False,
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": NONROOT_ID,
+                "runAsGroup": NONROOT_ID,
+                "fsGroup": NONROOT_ID,
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [container],
+            "volumes": volumes,
+        },
+    }
+
+
+def template_hash(fleet: Fleet) -> str:
+    """A short, stable hash of the proxy pod template: every part that comes from the spec.
+
+    The pod is built for a placeholder name, so the name and the ordinal (and what is derived from
+    them: hostname, dump subdirectory, public URL) do not enter; replicas and the memory watchdog's
+    settings are not part of the pod, so changing them does not roll the proxies.
+    """
+    body = _proxy_pod_body(fleet, "$(POD_NAME)")
+    canonical = json.dumps(
+        {"labels": body["metadata"]["labels"], "spec": body["spec"]}, sort_keys=True, separators=(",", ":")
+    )
+    return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+
+def proxy_pod(fleet: Fleet, ordinal: int) -> Manifest:
+    """Proxy pod `<fleet>-proxy-<ordinal>`, annotated with the current template hash."""
+    name = proxy_pod_name(fleet, ordinal)
+    pod = _proxy_pod_body(fleet, name)
+    pod["metadata"]["labels"][ORDINAL_LABEL] = str(ordinal)
+    pod["metadata"]["annotations"] = {TEMPLATE_HASH_ANNOTATION: template_hash(fleet)}
+    return pod
+
+
+def headless_service(fleet: Fleet) -> Manifest:
+    """Per-pod DNS for the proxies; not-ready pods get records too, so a starting proxy's public URL
+    resolves as soon as the pod has an address."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(fleet, headless_service_name(fleet), "proxy"),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,
+            "selector": labels(fleet, "proxy"),
+            "ports": [{"name": "http", "port": fleet.proxy.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def client_service(fleet: Fleet) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(fleet, client_service_name(fleet), "proxy"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels(fleet, "proxy"),
+            "ports": [{"name": "http", "port": fleet.proxy.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def admin_key_secret(fleet: Fleet, key: str) -> Manifest:
+    """The generated admin-key Secret (only when the spec names none); the caller supplies the key."""
+    ref = fleet.admin_key_ref
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(fleet, ref.name, "proxy"),
+        "type": "Opaque",
+        "stringData": {ref.key: key},
+    }
+
+
+# --- gateway -------------------------------------------------------------------------------------
+
+
+def gateway_service_account(fleet: Fleet) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(fleet, gateway_name(fleet), "gateway"),
+    }
+
+
+def gateway_role(fleet: Fleet) -> Manifest:
+    """What the router's service discovery needs: reading pods in the fleet's namespace."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(fleet, gateway_name(fleet), "gateway"),
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
+    }
+
+
+def gateway_role_binding(fleet: Fleet) -> Manifest:
+    name = gateway_name(fleet)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(fleet, name, "gateway"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": fleet.namespace}],
+    }
+
+
+def gateway_args(fleet: Fleet) -> list[str]:
+    gateway = fleet.gateway
+    args = ["--host", "$(POD_IP)", "--port", str(gateway.port), "--policy", gateway.policy]
+    if fleet.engines is not None:
+        selector = [f"{k}={v}" for k, v in sorted(labels(fleet, "engine").items())]
+        args += [
+            "--service-discovery",
+            "--selector",
+            *selector,
+            "--service-discovery-port",
+            str(fleet.engines.port),
+            "--service-discovery-namespace",
+            fleet.namespace,
+        ]
+    else:
+        args += ["--worker-urls", *fleet.external_engine_urls]
+    args += ["--prometheus-host", "$(POD_IP)", "--prometheus-port", str(GATEWAY_METRICS_PORT)]
+    return args + list(gateway.extra_args)
+
+
+def gateway_deployment(fleet: Fleet) -> Manifest:
+    gateway = fleet.gateway
+    pod_labels = labels(fleet, "gateway")
+    container: Manifest = {
+        "name": GATEWAY_CONTAINER,
+        "image": gateway.image,
+        "command": ["python3", "-m", "sglang_router.launch_router"],
+        "args": gateway_args(fleet),
+        "env": [copy.deepcopy(POD_IP_ENV)],
+        "ports": [
+            {"name": "http", "containerPort": gateway.port, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"},
+        ],
+        "readinessProbe": _http_probe("/health", gateway.port, period_s=5, failure_threshold=3),
+    }
+    if gateway.resources:
+        container["resources"] = copy.deepcopy(gateway.resources)
+    pod_spec: Manifest = {
+        "serviceAccountName": gateway_name(fleet),
+        "enableServiceLinks": False,
+        "containers": [container],
+    }
+    if gateway.node_selector:
+        pod_spec["nodeSelector"] = copy.deepcopy(gateway.node_selector)
+    if gateway.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(list(gateway.tolerations))
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(fleet, gateway_name(fleet), "gateway"),
+        "spec": {
+            "replicas": gateway.replicas,
+            "selector": {"matchLabels": pod_labels},
+            "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod_spec},
+        },
+    }
+
+
+def gateway_service(fleet: Fleet) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(fleet, gateway_name(fleet), "gateway"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": labels(fleet, "gateway"),
+            "ports": [
+                {"name": "http", "port": fleet.gateway.port, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+# --- engines -------------------------------------------------------------------------------------
+
+
+def engine_deployment(fleet: Fleet) -> Manifest:
+    """SGLang servers on GPU nodes; their pods carry the engine labels the gateway discovers by."""
+    engines = fleet.engines
+    if engines is None:
+        raise ValueError(f"fleet {fleet.name} uses external engines")
+    pod_labels = labels(fleet, "engine")
+    container: Manifest = {
+        "name": ENGINE_CONTAINER,
+        "image": engines.image,
+        "command": ["python3", "-m", "sglang.launch_server"],
+        "args": [
+            "--model-path",
+            engines.model_path,
+            "--host",
+            "$(POD_IP)",
+            "--port",
+            str(engines.port),
+            "--tp-size",
+            str(engines.tensor_parallel_size),
+            *engines.args,
+        ],
+        "env": [copy.deepcopy(POD_IP_ENV)],
+        "ports": [{"name": "http", "containerPort": engines.port, "protocol": "TCP"}],
+        # Loading weights takes minutes: readiness only, no liveness probe to kill a slow start.
+        "readinessProbe": _http_probe("/health", engines.port, period_s=5, failure_threshold=3, timeout_s=5),
+    }
+    resources = _merge_resources(engines.resources, engines.gpus_per_engine)
+    if resources:
+        container["resources"] = resources
+    mounts = copy.deepcopy(list(engines.volume_mounts))
+    volumes = copy.deepcopy(list(engines.volumes))
+    if not any(mount.get("mountPath") == "/dev/shm" for mount in mounts):
+        # A container's default 64 MiB /dev/shm is too small for NCCL and SGLang's tensor parallelism.
+        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+        mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
+    container["volumeMounts"] = mounts
+    pod_spec: Manifest = {"enableServiceLinks": False, "containers": [container], "volumes": volumes}
+    if engines.node_selector:
+        pod_spec["nodeSelector"] = copy.deepcopy(engines.node_selector)
+    if engines.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(list(engines.tolerations))
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(fleet, engine_name(fleet), "engine"),
+        "spec": {
+            "replicas": engines.replicas,
+            "selector": {"matchLabels": pod_labels},
+            # GPUs are usually all taken: a surge pod would stay Pending, so replace in place.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod_spec},
+        },
+    }
+
+
+# --- everything ----------------------------------------------------------------------------------
+
+
+def desired_children(fleet: Fleet) -> list[Manifest]:
+    """Every child except proxy pods and the admin-key Secret, in a safe order of creation."""
+    children = [
+        headless_service(fleet),
+        client_service(fleet),
+        gateway_service_account(fleet),
+        gateway_role(fleet),
+        gateway_role_binding(fleet),
+        gateway_service(fleet),
+        gateway_deployment(fleet),
+    ]
+    if fleet.engines is not None:
+        children.append(engine_deployment(fleet))
+    return children
