@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -511,7 +512,11 @@ def test_mount_script_and_wrapped_argv() -> None:
     argv = process.wrapped_argv(launch, euid=0)
     assert argv[1:5] == ["--mount", "--propagation", "private", "--"]
     script = argv[argv.index("-c") + 1]
-    assert "mount --bind /src /dst" in script and "mount -o remount,bind,ro /dst" in script
+    assert "mount --bind /src /run/rolloutfleet-kubelet-stage/0" in script
+    assert (
+        "mount --bind /run/rolloutfleet-kubelet-stage/0 /dst" in script
+        and "mount -o remount,bind,ro /dst" in script
+    )
     assert "cd '/work dir'" in script and script.endswith('exec "$@"')
     assert argv[-3:] == ["python3", "-c", "pass"]
     assert process.wrapped_argv(process.Launch(["true"], {})) == ["true"]
@@ -560,3 +565,22 @@ def test_process_sees_its_volume_at_the_mount_path(tmp_path) -> None:
         assert not os.path.exists(f"{target}/hello")  # the host's mount table is untouched
     finally:
         os.rmdir(target)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+def test_a_target_covering_another_source_does_not_hide_it(tmp_path) -> None:
+    """An emptyDir mounted over the directory that holds a hostPath source (e.g. /tmp) must not
+    hide that source: sources are staged before any target is mounted."""
+    holder = tmp_path / "holder"
+    (holder / "model").mkdir(parents=True)
+    (holder / "model" / "weights.txt").write_text("real weights")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    mounts = [
+        volumes.Mount(str(empty), str(holder)),
+        volumes.Mount(str(holder / "model"), str(tmp_path / "dst")),
+    ]
+    launch = process.Launch(["cat", str(tmp_path / "dst" / "weights.txt")], {}, None, mounts)
+    result = subprocess.run(process.wrapped_argv(launch), capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "real weights"

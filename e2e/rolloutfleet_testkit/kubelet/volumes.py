@@ -185,20 +185,35 @@ def container_mounts(
     return sorted(mounts, key=lambda m: len(PurePosixPath(m.target).parts))
 
 
+STAGE_DIR = "/run/rolloutfleet-kubelet-stage"
+
+
 def mount_script(mounts: Sequence[Mount], working_dir: str | None) -> str:
     """`sh` script run inside the new mount namespace before exec'ing the container's command.
 
-    A missing subPath source is created as a directory (as a kubelet does); a file source (e.g. one
-    key of a ConfigMap via subPath) is mounted onto a file."""
+    Every source is first bound to a staging point on a private tmpfs, and only then are the
+    targets mounted (parents first): otherwise a target that covers another mount's source (an
+    emptyDir at /tmp, a hostPath under /tmp) would hide that source. A missing subPath source is
+    created as a directory (as a kubelet does); a file source (e.g. one key of a ConfigMap via
+    subPath) is mounted onto a file."""
     lines = ["set -e"]
-    for mount in mounts:
-        src, dst = shlex.quote(mount.source), shlex.quote(mount.target)
-        parent = shlex.quote(str(PurePosixPath(mount.target).parent))
+    if mounts:
+        stage = shlex.quote(STAGE_DIR)
+        lines += [f"mkdir -p {stage}", f"mount -t tmpfs -o size=1m rolloutfleet-stage {stage}"]
+    for index, mount in enumerate(mounts):
+        src, staged = shlex.quote(mount.source), shlex.quote(f"{STAGE_DIR}/{index}")
         lines.append(f"[ -e {src} ] || mkdir -p {src}")
+        lines.append(f"if [ -d {src} ]; then mkdir -p {staged}; else : > {staged}; fi")
+        lines.append(f"mount --bind {src} {staged}")
+    order = sorted(range(len(mounts)), key=lambda i: len(PurePosixPath(mounts[i].target).parts))
+    for index in order:
+        mount = mounts[index]
+        staged, dst = shlex.quote(f"{STAGE_DIR}/{index}"), shlex.quote(mount.target)
+        parent = shlex.quote(str(PurePosixPath(mount.target).parent))
         lines.append(
-            f"if [ -d {src} ]; then mkdir -p {dst}; else mkdir -p {parent}; [ -e {dst} ] || : > {dst}; fi"
+            f"if [ -d {staged} ]; then mkdir -p {dst}; else mkdir -p {parent}; [ -e {dst} ] || : > {dst}; fi"
         )
-        lines.append(f"mount --bind {src} {dst}")
+        lines.append(f"mount --bind {staged} {dst}")
         if mount.read_only:
             lines.append(f"mount -o remount,bind,ro {dst}")
     if working_dir:

@@ -1,0 +1,78 @@
+"""`python -m rolloutfleet_operator`: the kopf operator that keeps RolloutFleets true."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+import kopf
+
+from .kubeapi import KubeApi, load_configuration
+from .reconcile import Reconciler
+
+GROUP, VERSION, PLURAL = "rolloutfleet.dev", "v1alpha1", "rolloutfleets"
+RESYNC_SECONDS = 10.0
+log = logging.getLogger("rolloutfleet.operator")
+
+_reconciler: Reconciler | None = None
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_) -> None:
+    global _reconciler
+    # Handler progress and diff bases go to annotations: the CRD's status schema would prune
+    # kopf's default status fields, and a pruned write reads back different, so kopf would loop.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rolloutfleet.dev")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="rolloutfleet.dev")
+    settings.posting.level = logging.INFO
+    settings.watching.server_timeout = 60
+    _reconciler = Reconciler(KubeApi(await asyncio.to_thread(load_configuration, None)))
+
+
+async def _pass(body: kopf.Body, logger: kopf.Logger) -> None:
+    assert _reconciler is not None
+    result = await _reconciler.reconcile(dict(body))
+    for pod in result.created:
+        kopf.info(body, reason="Created", message=f"created proxy pod {pod}")
+    for pod, reason in result.deleted:
+        kopf.info(body, reason=reason, message=f"deleted proxy pod {pod} ({reason})")
+    for failure in result.failures:
+        kopf.warn(body, reason="FailedCreate", message=failure)
+
+
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL)
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+async def on_change(body: kopf.Body, logger: kopf.Logger, **_) -> None:
+    await _pass(body, logger)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+async def resync(body: kopf.Body, logger: kopf.Logger, **_) -> None:
+    """The periodic pass: recreates vanished pods, advances rolls, refreshes status."""
+    await _pass(body, logger)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rolloutfleet-operator", description=__doc__)
+    parser.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable)")
+    parser.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--metrics-port", type=int, default=8080, help="port of /healthz")
+    args = parser.parse_args(argv)
+    if not args.namespace and not args.all_namespaces:
+        parser.error("give --namespace NS (repeatable) or --all-namespaces")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    kopf.run(
+        standalone=True,
+        clusterwide=args.all_namespaces,
+        namespaces=args.namespace or None,
+        liveness_endpoint=f"http://0.0.0.0:{args.metrics_port}/healthz",
+    )
+    return 0
