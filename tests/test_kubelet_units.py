@@ -584,3 +584,32 @@ def test_a_target_covering_another_source_does_not_hide_it(tmp_path) -> None:
     result = subprocess.run(process.wrapped_argv(launch), capture_output=True, text=True, timeout=30)
     assert result.returncode == 0, result.stderr
     assert result.stdout == "real weights"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="bind mounts need root")
+def test_a_pod_mount_over_the_harness_checkout_keeps_the_checkout_visible(tmp_path) -> None:
+    """A checkout under /tmp must survive a pod's emptyDir at /tmp: the program runs from it."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / "program.txt").write_text("still here")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    script = volumes.mount_script([volumes.Mount(str(empty), str(tmp_path))], None, keep=[str(checkout)])
+    argv = [
+        "unshare",
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "/bin/sh",
+        "-c",
+        script,
+        "sh",
+        "cat",
+        str(checkout / "program.txt"),
+    ]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "still here"
+    hidden = volumes.mount_script([volumes.Mount(str(empty), str(tmp_path))], None)
+    assert "keep-" not in hidden  # nothing to keep: nothing re-bound

@@ -14,6 +14,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +44,18 @@ def process_env(container_env: Mapping[str, str], extra: Mapping[str, str]) -> d
     return {**env, **extra, **container_env}
 
 
+def harness_paths() -> list[str]:
+    """Host paths this harness's programs run from: the checkout (editable installs point there) and
+    the environments of this interpreter and of the proxy's (ROLLOUTFLEET_PROXY_PYTHON)."""
+    import rolloutfleet_testkit
+
+    paths = {str(Path(rolloutfleet_testkit.__file__).resolve().parents[2]), sys.prefix}
+    proxy_python = os.environ.get("ROLLOUTFLEET_PROXY_PYTHON")
+    if proxy_python:
+        paths.add(str(Path(proxy_python).parent.parent))
+    return sorted(paths)
+
+
 def wrapped_argv(launch: Launch, euid: int | None = None) -> list[str]:
     if not launch.mounts:
         return list(launch.argv)
@@ -50,7 +63,7 @@ def wrapped_argv(launch: Launch, euid: int | None = None) -> list[str]:
     namespace = ["--mount", "--propagation", "private"]
     if (os.geteuid() if euid is None else euid) != 0:
         namespace = ["--user", "--map-root-user", *namespace]
-    script = mount_script(launch.mounts, launch.working_dir)
+    script = mount_script(launch.mounts, launch.working_dir, harness_paths())
     return [unshare, *namespace, "--", "/bin/sh", "-c", script, "sh", *launch.argv]
 
 

@@ -188,15 +188,20 @@ def container_mounts(
 STAGE_DIR = "/run/rolloutfleet-kubelet-stage"
 
 
-def mount_script(mounts: Sequence[Mount], working_dir: str | None) -> str:
+def mount_script(mounts: Sequence[Mount], working_dir: str | None, keep: Sequence[str] = ()) -> str:
     """`sh` script run inside the new mount namespace before exec'ing the container's command.
 
     Every source is first bound to a staging point on a private tmpfs, and only then are the
     targets mounted (parents first): otherwise a target that covers another mount's source (an
     emptyDir at /tmp, a hostPath under /tmp) would hide that source. A missing subPath source is
     created as a directory (as a kubelet does); a file source (e.g. one key of a ConfigMap via
-    subPath) is mounted onto a file."""
+    subPath) is mounted onto a file.
+
+    `keep` are host paths the harness's programs need (the checkout, the interpreters' environments):
+    a pod mount that covers one of them (an emptyDir at /tmp over a checkout under /tmp) would hide
+    the program itself, so they are staged too and bound back over the mounts that cover them."""
     lines = ["set -e"]
+    covered = [path for path in keep if any(_covers(m.target, path) for m in mounts)]
     if mounts:
         stage = shlex.quote(STAGE_DIR)
         lines += [f"mkdir -p {stage}", f"mount -t tmpfs -o size=1m rolloutfleet-stage {stage}"]
@@ -205,6 +210,9 @@ def mount_script(mounts: Sequence[Mount], working_dir: str | None) -> str:
         lines.append(f"[ -e {src} ] || mkdir -p {src}")
         lines.append(f"if [ -d {src} ]; then mkdir -p {staged}; else : > {staged}; fi")
         lines.append(f"mount --bind {src} {staged}")
+    for index, path in enumerate(covered):
+        staged = shlex.quote(f"{STAGE_DIR}/keep-{index}")
+        lines += [f"mkdir -p {staged}", f"mount --bind {shlex.quote(path)} {staged}"]
     order = sorted(range(len(mounts)), key=lambda i: len(PurePosixPath(mounts[i].target).parts))
     for index in order:
         mount = mounts[index]
@@ -216,10 +224,18 @@ def mount_script(mounts: Sequence[Mount], working_dir: str | None) -> str:
         lines.append(f"mount --bind {staged} {dst}")
         if mount.read_only:
             lines.append(f"mount -o remount,bind,ro {dst}")
+    for index, path in enumerate(covered):
+        staged, target = shlex.quote(f"{STAGE_DIR}/keep-{index}"), shlex.quote(path)
+        lines += [f"mkdir -p {target}", f"mount --bind {staged} {target}"]
     if working_dir:
         lines.append(f"mkdir -p {shlex.quote(working_dir)} && cd {shlex.quote(working_dir)}")
     lines.append('exec "$@"')
     return "\n".join(lines)
+
+
+def _covers(target: str, path: str) -> bool:
+    """Whether mounting at `target` hides `path` (the same path or one below it)."""
+    return PurePosixPath(path).is_relative_to(PurePosixPath(target))
 
 
 def remove_tree(path: Path) -> None:
