@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+from collections.abc import Sequence
 from typing import Any
 
 from rolloutfleet_proxy.settings import ENV
@@ -340,7 +341,6 @@ def gateway_args(fleet: Fleet) -> list[str]:
 
 def gateway_deployment(fleet: Fleet) -> Manifest:
     gateway = fleet.gateway
-    pod_labels = labels(fleet, "gateway")
     container: Manifest = {
         "name": GATEWAY_CONTAINER,
         "image": gateway.image,
@@ -360,20 +360,8 @@ def gateway_deployment(fleet: Fleet) -> Manifest:
         "enableServiceLinks": False,
         "containers": [container],
     }
-    if gateway.node_selector:
-        pod_spec["nodeSelector"] = copy.deepcopy(gateway.node_selector)
-    if gateway.tolerations:
-        pod_spec["tolerations"] = copy.deepcopy(list(gateway.tolerations))
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": _metadata(fleet, gateway_name(fleet), "gateway"),
-        "spec": {
-            "replicas": gateway.replicas,
-            "selector": {"matchLabels": pod_labels},
-            "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod_spec},
-        },
-    }
+    _place(pod_spec, gateway.node_selector, gateway.tolerations)
+    return _deployment(fleet, gateway_name(fleet), "gateway", gateway.replicas, pod_spec)
 
 
 def gateway_service(fleet: Fleet) -> Manifest:
@@ -399,7 +387,6 @@ def engine_deployment(fleet: Fleet) -> Manifest:
     engines = fleet.engines
     if engines is None:
         raise ValueError(f"fleet {fleet.name} uses external engines")
-    pod_labels = labels(fleet, "engine")
     container: Manifest = {
         "name": ENGINE_CONTAINER,
         "image": engines.image,
@@ -431,21 +418,41 @@ def engine_deployment(fleet: Fleet) -> Manifest:
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     container["volumeMounts"] = mounts
     pod_spec: Manifest = {"enableServiceLinks": False, "containers": [container], "volumes": volumes}
-    if engines.node_selector:
-        pod_spec["nodeSelector"] = copy.deepcopy(engines.node_selector)
-    if engines.tolerations:
-        pod_spec["tolerations"] = copy.deepcopy(list(engines.tolerations))
+    _place(pod_spec, engines.node_selector, engines.tolerations)
+    # GPUs are usually all taken: a surge pod would stay Pending, so replace in place.
+    strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return _deployment(fleet, engine_name(fleet), "engine", engines.replicas, pod_spec, strategy)
+
+
+def _place(pod_spec: Manifest, node_selector: dict[str, str], tolerations: Sequence[dict[str, Any]]) -> None:
+    """Node placement from the spec (copied: manifests never alias the parsed fleet)."""
+    if node_selector:
+        pod_spec["nodeSelector"] = copy.deepcopy(node_selector)
+    if tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(list(tolerations))
+
+
+def _deployment(
+    fleet: Fleet,
+    name: str,
+    component: str,
+    replicas: int,
+    pod_spec: Manifest,
+    strategy: Manifest | None = None,
+) -> Manifest:
+    pod_labels = labels(fleet, component)
+    spec: Manifest = {
+        "replicas": replicas,
+        "selector": {"matchLabels": pod_labels},
+        "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod_spec},
+    }
+    if strategy:
+        spec["strategy"] = strategy
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(fleet, engine_name(fleet), "engine"),
-        "spec": {
-            "replicas": engines.replicas,
-            "selector": {"matchLabels": pod_labels},
-            # GPUs are usually all taken: a surge pod would stay Pending, so replace in place.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-            "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod_spec},
-        },
+        "metadata": _metadata(fleet, name, component),
+        "spec": spec,
     }
 
 
