@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import time
 
@@ -13,7 +12,13 @@ import pytest
 from openai import OpenAI
 from proxy_harness import ADMIN, chat_body, running_proxy
 from rolloutfleet_proxy.dumps import STALE_AREA, load_session_file
-from rolloutfleet_testkit.processes import ServerProcess, free_port, python_module, serve_app
+from rolloutfleet_testkit.processes import (
+    ServerProcess,
+    free_port,
+    python_module,
+    serve_app,
+    wait_until_routed,
+)
 from rolloutfleet_testkit.refengine.model import load_model, score
 from rolloutfleet_testkit.refengine.server import create_app as create_engine_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
@@ -140,18 +145,6 @@ def test_stream_returns_sse_of_the_recorded_reply(proxy):
         ],
     )
     assert follow.choices[0].message.content is not None
-
-
-def wait_until_routed(router_url: str, timeout_s: float = 60) -> None:
-    """The router answers /health before its worker is registered; wait until /generate goes through."""
-    deadline = time.monotonic() + timeout_s
-    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.post(f"{router_url}/generate", json=body, timeout=5).status_code == 200:
-                return
-        time.sleep(0.2)
-    raise TimeoutError("the router never routed /generate to the engine")
 
 
 @pytest.mark.router

@@ -11,12 +11,10 @@ exists (issue #4) it will apply a RolloutFleet instead of the sample workload.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -26,6 +24,7 @@ from rolloutfleet_testkit.controlplane.build import ensure_binaries
 from rolloutfleet_testkit.controlplane.cluster import down, up
 from rolloutfleet_testkit.demo import ADMIN_KEY, QUESTIONS, run_session, step
 from rolloutfleet_testkit.kubelet import ProcessKubelet
+from rolloutfleet_testkit.processes import wait_until_routed
 from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
 
 NAMESPACE = "rolloutfleet-demo"
@@ -54,22 +53,6 @@ class Kubectl:
             "-",
             input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(manifests)}),
         )
-
-
-def wait_until_routed(router_url: str, timeout_s: float = 120) -> None:
-    """The router answers /health before it has discovered a worker: wait until /generate goes through."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            answer = httpx.post(
-                f"{router_url}/generate",
-                timeout=10,
-                json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}},
-            )
-            if answer.status_code == 200:
-                return
-        time.sleep(0.5)
-    raise TimeoutError("the router did not discover an engine")
 
 
 def main(argv: list[str] | None = None) -> int:

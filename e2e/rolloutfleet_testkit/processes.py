@@ -164,3 +164,16 @@ def proxy_command(*args: str) -> list[str]:
     """
     python = os.environ.get("ROLLOUTFLEET_PROXY_PYTHON") or sys.executable
     return [python, "-m", "rolloutfleet_proxy", *args]
+
+
+def wait_until_routed(router_url: str, timeout_s: float = 120) -> None:
+    """The SGLang router answers /health before it has registered a worker: wait until /generate
+    goes through."""
+    deadline = time.monotonic() + timeout_s
+    body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.post(f"{router_url}/generate", json=body, timeout=10).status_code == 200:
+                return
+        time.sleep(0.3)
+    raise TimeoutError(f"the router at {router_url} never routed /generate to an engine")

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 from rolloutfleet_testkit import sample_workload as sample
-from rolloutfleet_testkit.cluster_demo import wait_until_routed
+from rolloutfleet_testkit.processes import wait_until_routed
 from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
