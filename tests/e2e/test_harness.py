@@ -108,6 +108,76 @@ def test_pod_gets_its_own_ip_becomes_ready_and_serves_http(cluster, harness, ns,
     assert httpx.get(f"http://{ip}:8080/", timeout=5).status_code == 200
 
 
+def test_service_and_per_pod_names_resolve_inside_pods(cluster, harness, ns, kube):
+    """Cluster DNS stand-in: Service names and hostname.subdomain names resolve in every pod, and
+    follow the endpoint when the pod behind it is replaced."""
+    core = client.CoreV1Api(kube)
+    web = pod(
+        "web",
+        ["python3", "-m", "http.server", "8080", "--bind", "$(POD_IP)"],
+        image="python:3.11",
+        hostname="web-0",
+        subdomain="webs",
+    )
+    web["metadata"]["labels"] = {"app": "web"}
+    main = web["spec"]["containers"][0]
+    main["env"] = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    main["readinessProbe"] = {"tcpSocket": {"port": 8080}, "periodSeconds": 1}
+    port = [{"port": 8080, "targetPort": 8080}]
+    services = [
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "web"},
+         "spec": {"selector": {"app": "web"}, "ports": port}},
+        {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "webs"},
+         "spec": {"clusterIP": "None", "selector": {"app": "web"}, "ports": port}},
+    ]  # fmt: skip
+    apply(cluster, ns, web, *services)
+    ip = wait_for(
+        lambda: (
+            condition(obj := read(core.read_namespaced_pod, "web", ns), "Ready") == "True"
+            and obj["status"]["podIP"]
+        ),
+        what="the web pod to be Ready",
+    )
+    hosts = harness.state_dir / "cluster-dns" / "hosts"
+    names = [f"web.{ns}.svc", f"web.{ns}.svc.cluster.local", f"web-0.webs.{ns}.svc"]
+    wait_for(lambda: all(f"{ip}\t" in line for line in _hosts_lines(hosts, names)), what="DNS entries")
+
+    fetch = "; ".join(
+        ["import sys, urllib.request as u"]
+        + [f"u.urlopen('http://{name}:8080/', timeout=5).read()" for name in names]
+    )
+    apply(cluster, ns, pod("client", ["python3", "-c", fetch], image="python:3.11", restartPolicy="Never"))
+    phase = wait_for(
+        lambda: (
+            ((read(core.read_namespaced_pod, "client", ns) or {}).get("status") or {}).get("phase")
+            in ("Succeeded", "Failed")
+            and read(core.read_namespaced_pod, "client", ns)["status"]["phase"]
+        ),
+        what="the client pod to finish",
+    )
+    assert phase == "Succeeded", (harness.log_path(ns, "client", "main")).read_text()[-2000:]
+
+    # A replacement gets a new address; the names follow it.
+    core.delete_namespaced_pod("web", ns, grace_period_seconds=0)
+    wait_for(lambda: read(core.read_namespaced_pod, "web", ns) is None, what="the web pod to go")
+    apply(cluster, ns, web)
+    new_ip = wait_for(
+        lambda: (
+            condition(obj := read(core.read_namespaced_pod, "web", ns), "Ready") == "True"
+            and obj["status"]["podIP"]
+        ),
+        what="the replacement to be Ready",
+    )
+    assert new_ip != ip
+    wait_for(lambda: all(f"{new_ip}\t" in line for line in _hosts_lines(hosts, names)), what="new entries")
+
+
+def _hosts_lines(hosts: Path, names: list[str]) -> list[str]:
+    """The hosts-file line naming each of `names` ("" for a name that is missing)."""
+    lines = hosts.read_text().splitlines()
+    return [next((line + "\t" for line in lines if name in line.split()), "") for name in names]
+
+
 def test_pods_act_with_their_service_accounts_rbac(cluster, harness, ns, kube):
     core = client.CoreV1Api(kube)
     cluster.kubectl("create", "serviceaccount", "reader", "-n", ns)

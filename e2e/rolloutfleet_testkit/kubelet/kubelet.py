@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .addresses import AddressPool
+from .cluster_dns import ClusterDns
 from .credentials import api_server
 from .heartbeat import NodeHeartbeat
 from .kube import Informer, Kube, load_configuration, pod_path
@@ -44,6 +45,7 @@ class ProcessKubelet:
         self._informers: list[Informer] = []
         self._heartbeat: NodeHeartbeat | None = None
         self._provisioner: Provisioner | None = None
+        self._dns: ClusterDns | None = None
         self._kube: Kube | None = None
         self._context: NodeContext | None = None
         self._stopped = False
@@ -54,6 +56,7 @@ class ProcessKubelet:
         configuration = load_configuration(self.kubeconfig)
         self._kube = Kube(configuration)
         allocatable = {spec.name: spec.resources for spec in self.nodes}
+        self._dns = ClusterDns(self._kube, self.state_dir / "cluster-dns" / "hosts").start()
         self._context = NodeContext(
             kube=self._kube,
             state_dir=self.state_dir,
@@ -61,6 +64,7 @@ class ProcessKubelet:
             addresses=AddressPool(),
             allocatable=lambda node: allocatable.get(node, {}),
             forget=self._forget,
+            hosts_file=self._dns.path,
         )
         self._heartbeat = NodeHeartbeat(self._kube, self.nodes).start()
         if self._provision_volumes:
@@ -96,6 +100,8 @@ class ProcessKubelet:
             thread.join()
         if self._provisioner is not None:
             self._provisioner.stop()
+        if self._dns is not None:
+            self._dns.stop()
         if self._heartbeat is not None:
             self._heartbeat.stop(delete_nodes)
         if self._kube is not None:

@@ -48,6 +48,7 @@ class NodeContext:
     addresses: AddressPool
     allocatable: Callable[[str], Mapping[str, str]]  # node name → allocatable resources
     forget: Callable[[str], None]  # called with the pod's uid when its worker is done
+    hosts_file: Path | None = None  # cluster DNS (cluster_dns.py), bound over each pod's /etc/hosts
 
     def log_path(self, namespace: str, pod: str, container: str) -> Path:
         return self.state_dir / "logs" / f"{namespace}_{pod}_{container}.log"
@@ -134,6 +135,8 @@ class PodWorker:
             expand_all(container.get("args"), env),
         )
         mounts = volumes.container_mounts(container, self._volume_paths or {}, env)
+        if self._node.hosts_file is not None:
+            mounts.append(volumes.Mount(str(self._node.hosts_file), "/etc/hosts", read_only=True))
         extra = {"HOSTNAME": self.pod_name}
         if self._kubeconfig is not None:
             extra["KUBECONFIG"] = str(self._kubeconfig)
