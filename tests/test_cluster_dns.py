@@ -51,6 +51,15 @@ def test_hostnames_with_a_headless_subdomain_get_their_own_names():
     assert "f-proxy-2" not in text and "x-0" not in text
 
 
+def test_publish_not_ready_addresses_names_starting_pods():
+    labels = {"app": "proxy"}
+    text = hosts_file(
+        [service("f-proxies", labels, clusterIP="None", publishNotReadyAddresses=True)],
+        [pod("127.0.1.7", labels, ready=False, hostname="f-proxy-2", subdomain="f-proxies")],
+    )
+    assert "127.0.1.7\tf-proxy-2.f-proxies.ns.svc " in text and "127.0.1.7\tf-proxies.ns " in text
+
+
 def test_selectorless_and_external_name_services_get_no_entry():
     labels = {"app": "a"}
     text = hosts_file(

@@ -33,12 +33,13 @@ def _service_names(name: str, namespace: str) -> list[str]:
     return [f"{name}.{namespace}", f"{name}.{namespace}.svc", f"{name}.{namespace}.svc.{CLUSTER_DOMAIN}"]
 
 
-def _ready_ip(pod: Mapping) -> str | None:
-    """The pod's IP when it would be a ready endpoint (Ready, not terminating)."""
+def _endpoint_ip(pod: Mapping, publish_not_ready: bool) -> str | None:
+    """The pod's IP when it is an endpoint: Ready (or any state, for publishNotReadyAddresses) and
+    not terminating."""
     status = pod.get("status") or {}
     ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
     terminating = bool(pod["metadata"].get("deletionTimestamp"))
-    return status.get("podIP") if ready and not terminating else None
+    return status.get("podIP") if (ready or publish_not_ready) and not terminating else None
 
 
 def _selects(selector: Mapping[str, str], pod: Mapping) -> bool:
@@ -51,28 +52,35 @@ def hosts_file(services: Iterable[Mapping], pods: Iterable[Mapping]) -> str:
 
     Endpoints are computed here from selectors and pod readiness, as the endpoint-slice controller
     would: that controller refuses loopback addresses, and every harness pod IP is one."""
-    ready = [(pod, ip) for pod in pods if (ip := _ready_ip(pod))]
-    lines = [HEADER]
-    headless: set[tuple[str, str]] = set()
+    pods = list(pods)
+    service_lines: list[str] = []
+    pod_names: dict[str, list[str]] = {}
     for svc in sorted(services, key=lambda s: (s["metadata"]["namespace"], s["metadata"]["name"])):
         namespace, name = svc["metadata"]["namespace"], svc["metadata"]["name"]
         spec = svc.get("spec") or {}
         if spec.get("type") == "ExternalName":
             continue
-        if spec.get("clusterIP") == "None":
-            headless.add((namespace, name))
-        selector = spec.get("selector") or {}
-        ips = [
-            ip for pod, ip in ready if pod["metadata"]["namespace"] == namespace and _selects(selector, pod)
+        publish = bool(spec.get("publishNotReadyAddresses"))
+        endpoints = [
+            (pod, ip)
+            for pod in pods
+            if pod["metadata"]["namespace"] == namespace
+            and _selects(spec.get("selector") or {}, pod)
+            and (ip := _endpoint_ip(pod, publish))
         ]
-        if ips:
-            lines.append(f"{min(ips, key=_ip_key)}\t{' '.join(_service_names(name, namespace))}\n")
-    for pod, ip in sorted(ready, key=lambda item: _ip_key(item[1])):
-        spec, namespace = pod.get("spec") or {}, pod["metadata"]["namespace"]
-        if spec.get("hostname") and (namespace, spec.get("subdomain")) in headless:
-            names = _service_names(f"{spec['hostname']}.{spec['subdomain']}", namespace)[1:]
-            lines.append(f"{ip}\t{' '.join(names)}\n")
-    return "".join(lines)
+        if endpoints:
+            lowest = min((ip for _, ip in endpoints), key=_ip_key)
+            service_lines.append(f"{lowest}\t{' '.join(_service_names(name, namespace))}\n")
+        if spec.get("clusterIP") == "None":
+            for pod, ip in endpoints:
+                pod_spec = pod.get("spec") or {}
+                if pod_spec.get("hostname") and pod_spec.get("subdomain") == name:
+                    fqdn = f"{pod_spec['hostname']}.{name}"
+                    pod_names.setdefault(ip, []).extend(_service_names(fqdn, namespace)[1:])
+    pod_lines = [
+        f"{ip}\t{' '.join(names)}\n" for ip, names in sorted(pod_names.items(), key=lambda i: _ip_key(i[0]))
+    ]
+    return "".join([HEADER, *service_lines, *pod_lines])
 
 
 def _ip_key(ip: str) -> tuple[int, ...]:
