@@ -33,12 +33,12 @@ def step(message: str) -> None:
     print(f"==> {message}", flush=True)
 
 
-async def run_session(proxy_url: str, questions: list[str], index: int) -> dict:
+async def run_session(proxy_url: str, questions: list[str], index: int, admin_key: str = ADMIN_KEY) -> dict:
     async with httpx.AsyncClient(base_url=proxy_url, timeout=60) as admin:
         created = (
             await admin.post(
                 "/v1/sessions",
-                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                headers={"Authorization": f"Bearer {admin_key}"},
                 json={"metadata": {"demo_rollout": index}},
             )
         ).json()

@@ -78,6 +78,18 @@ class KubeApi:
         content_type: str = "application/json",
         timeout: float = 30,
     ) -> dict:
+        return self.exchange(method, path, body, query, content_type, timeout)[1]
+
+    def exchange(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        query: Mapping[str, Any] | None = None,
+        content_type: str = "application/json",
+        timeout: float = 30,
+    ) -> tuple[int, dict]:
+        """One request: (HTTP status, decoded JSON body); raises ApiException on a non-2xx answer."""
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type
@@ -95,7 +107,7 @@ class KubeApi:
             raise ApiException.from_response(
                 http_resp=response, body=response.data.decode(errors="replace"), data=None
             )
-        return json.loads(response.data) if response.data else {}
+        return response.status, (json.loads(response.data) if response.data else {})
 
     def get(self, path: str, **query: Any) -> dict | None:
         """The object, or None when it does not exist."""
@@ -139,13 +151,18 @@ class KubeApi:
 
         Idempotent, so the reconciler can apply its whole desired state on every pass.
         """
-        return self.request(
+        return self.apply_reporting(obj)[0]
+
+    def apply_reporting(self, obj: Mapping[str, Any]) -> tuple[dict, bool]:
+        """Server-side apply; also whether this call created the object (201), for Events."""
+        status, applied = self.exchange(
             "PATCH",
             object_path(obj),
             body=obj,
             content_type=APPLY,
             query={"fieldManager": FIELD_MANAGER, "force": "true"},
         )
+        return applied, status == 201
 
     def list(
         self, api_version: str, kind: str, namespace: str, label_selector: str | None = None

@@ -6,9 +6,11 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 
 import kopf
 
+from . import metrics
 from .kubeapi import KubeApi, load_configuration
 from .reconcile import Reconciler
 
@@ -33,7 +35,17 @@ async def configure(settings: kopf.OperatorSettings, **_) -> None:
 
 async def _pass(body: kopf.Body, logger: kopf.Logger) -> None:
     assert _reconciler is not None
-    result = await _reconciler.reconcile(dict(body))
+    fleet = (body["metadata"]["namespace"], body["metadata"]["name"])
+    started = time.perf_counter()
+    try:
+        result = await _reconciler.reconcile(dict(body))
+    except Exception:
+        metrics.RECONCILE_ERRORS.labels(*fleet).inc()
+        raise
+    finally:
+        metrics.RECONCILE_SECONDS.labels(*fleet).observe(time.perf_counter() - started)
+    for child in result.created_children:
+        kopf.info(body, reason="Created", message=f"created {child}")
     for pod in result.created:
         kopf.info(body, reason="Created", message=f"created proxy pod {pod}")
     for pod, reason in result.deleted:
@@ -60,7 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable)")
     parser.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--metrics-port", type=int, default=8080, help="port of /healthz")
+    parser.add_argument("--metrics-port", type=int, default=8080, help="port of Prometheus /metrics")
+    parser.add_argument("--health-port", type=int, default=8081, help="port of the liveness probe /healthz")
+    parser.add_argument(
+        "--bind-address", default="0.0.0.0", help="address the metrics and health servers listen on"
+    )
     args = parser.parse_args(argv)
     if not args.namespace and not args.all_namespaces:
         parser.error("give --namespace NS (repeatable) or --all-namespaces")
@@ -69,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    port = metrics.serve(args.metrics_port, args.bind_address)
+    log.info("serving /metrics on %s:%d", args.bind_address, port)
     kopf.run(
         standalone=True,
         clusterwide=args.all_namespaces,
         namespaces=args.namespace or None,
-        liveness_endpoint=f"http://0.0.0.0:{args.metrics_port}/healthz",
+        liveness_endpoint=f"http://{args.bind_address}:{args.health_port}/healthz",
     )
     return 0

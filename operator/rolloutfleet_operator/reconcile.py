@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import json
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -16,6 +17,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
+from . import metrics
 from .conditions import ObservedState, fleet_status
 from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal, selector_string
 from .kubeapi import KubeApi, resource_path
@@ -33,7 +35,8 @@ def now_rfc3339() -> str:
 class PassResult:
     """What one pass did, for Events and logs."""
 
-    created: list[str] = field(default_factory=list)
+    created: list[str] = field(default_factory=list)  # proxy pods
+    created_children: list[str] = field(default_factory=list)  # "Kind/name" of other children
     deleted: list[tuple[str, str]] = field(default_factory=list)  # (pod, reason)
     failures: list[str] = field(default_factory=list)
     status_changed: bool = False
@@ -50,10 +53,24 @@ class Reconciler:
         fleet = parse_fleet(body)
         result = PassResult()
         for manifest in desired_children(fleet):
-            await self._call(self.api.apply, manifest)
+            child = f"{manifest['kind']}/{manifest['metadata']['name']}"
+            try:
+                _, created = await self._call(self.api.apply_reporting, manifest)
+            except ApiException as exc:  # one refused child must not stop the others or the status
+                result.failures.append(f"{child}: {_reason(exc)}")
+                continue
+            if created:
+                result.created_children.append(child)
+                metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, manifest["kind"]).inc()
         if fleet.generates_admin_key:
-            await self._ensure_admin_key(fleet)
+            await self._ensure_admin_key(fleet, result)
         observed = await self._reconcile_proxies(fleet, result)
+        for state, count in (
+            ("desired", fleet.proxy.replicas),
+            ("ready", sum(1 for v in observed.proxies if v.ready)),
+            ("updated", sum(1 for v in observed.proxies if v.template_hash == observed.current_hash)),
+        ):
+            metrics.FLEET_PROXIES.labels(fleet.namespace, fleet.name, state).set(count)
         status = fleet_status(
             fleet, observed, now_rfc3339(), (body.get("status") or {}).get("conditions") or []
         )
@@ -66,16 +83,19 @@ class Reconciler:
             result.status_changed = True
         return result
 
-    async def _ensure_admin_key(self, fleet: Fleet) -> None:
+    async def _ensure_admin_key(self, fleet: Fleet, result: PassResult) -> None:
         ref = fleet.admin_key_ref
         path = resource_path("v1", "Secret", fleet.namespace, ref.name)
         if await self._call(self.api.get, path) is None:
             # Created once with a random key and never re-applied (that would change the key).
-            await self._call(
+            created = await self._call(
                 self.api.create,
                 resource_path("v1", "Secret", fleet.namespace),
                 admin_key_secret(fleet, secrets.token_urlsafe(32)),
             )
+            if created is not None:
+                result.created_children.append(f"Secret/{ref.name}")
+                metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, "Secret").inc()
 
     async def _reconcile_proxies(self, fleet: Fleet, result: PassResult) -> ObservedState:
         pods = await self._call(self.api.list, "v1", "Pod", fleet.namespace, selector_string(fleet, "proxy"))
@@ -86,7 +106,7 @@ class Reconciler:
                 views.append(proxy_pod_view(pod, ordinal))
         current = template_hash(fleet)
         plan = plan_proxies(fleet.proxy.replicas, views, current)
-        failures: list[str] = []
+        failures = result.failures
         for ordinal in plan.create:
             manifest = proxy_pod(fleet, ordinal)
             try:
@@ -94,17 +114,18 @@ class Reconciler:
                     self.api.create, resource_path("v1", "Pod", fleet.namespace), manifest
                 )
             except ApiException as exc:
-                failures.append(f"{manifest['metadata']['name']}: {exc.reason}")
+                failures.append(f"Pod/{manifest['metadata']['name']}: {_reason(exc)}")
                 continue
             if created is not None:
                 result.created.append(manifest["metadata"]["name"])
+                metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, "Pod").inc()
         for deletion in plan.delete:
             # Graceful: the pod's own terminationGracePeriodSeconds lets the proxy drain and dump.
             if await self._call(self.api.delete, resource_path("v1", "Pod", fleet.namespace, deletion.name)):
                 result.deleted.append((deletion.name, deletion.reason))
+                metrics.PROXIES_DELETED.labels(fleet.namespace, fleet.name, deletion.reason).inc()
         if plan.waiting:
             log.info("fleet %s/%s: %s", fleet.namespace, fleet.name, plan.waiting)
-        result.failures = failures
         gateway = await self._call(
             self.api.get, resource_path("apps/v1", "Deployment", fleet.namespace, gateway_name(fleet))
         )
@@ -123,6 +144,14 @@ class Reconciler:
             engines_desired=None if fleet.engines is None else fleet.engines.replicas,
             create_failures=tuple(failures),
         )
+
+
+def _reason(exc: ApiException) -> str:
+    """The API server's message for a refused request (its Status body), else the HTTP reason."""
+    try:
+        return json.loads(exc.body or "{}").get("message") or str(exc.reason)
+    except (ValueError, AttributeError):
+        return str(exc.reason)
 
 
 def _ready(deployment: dict | None) -> int:

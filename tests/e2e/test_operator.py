@@ -1,43 +1,71 @@
-"""The operator, as a process, against the local cluster and the process kubelet: a RolloutFleet
-becomes proxies and a gateway, status follows Kubernetes conventions, scale works both ways
-(highest ordinals go first), a deleted proxy pod comes back under its name, and deleting the fleet
-garbage-collects everything. Engines are external here: a CPU reference engine (test stand-in for
-SGLang) served on 127.0.0.1, which the gateway pod reaches directly."""
+"""The operator, installed with its Helm chart and running as a pod, against the local cluster and
+the process kubelet: a RolloutFleet becomes proxies, a gateway and engines; status follows Kubernetes
+conventions; sessions flow through a proxy to an engine and survive the proxy's replacement; a spec
+change rolls the proxies one at a time; scale works both ways (highest ordinals go first); deleting
+the fleet garbage-collects everything; an operator killed mid-reconcile converges without
+duplicates. Engines are CPU reference engines (test stand-ins for SGLang): the GPU sample's engine
+pods on the GPU node, or one served on 127.0.0.1 as an external engine URL."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from pathlib import Path
+import shutil
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
 
+import httpx
 import pytest
-from rolloutfleet_testkit.processes import ServerProcess, python_module, serve_app
+from rolloutfleet_testkit import fleet_setup
+from rolloutfleet_testkit.demo import QUESTIONS, run_session
+from rolloutfleet_testkit.processes import serve_app, wait_until_routed
 from rolloutfleet_testkit.refengine.server import create_app as create_engine_app
 from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
-ROOT = Path(__file__).resolve().parents[2]
+RELEASE = "rf"
+
+
+@dataclass
+class Operator:
+    namespace: str
+    deployment: str
 
 
 @pytest.fixture(scope="module")
-def operator(cluster, tmp_path_factory):
-    if cluster.kubelet is None:
-        pytest.skip("runs pods through the process kubelet")
-    cluster.kubectl("apply", "-f", str(ROOT / "crds"))
+def operator(cluster):
+    """The operator installed by its chart, watching one namespace."""
+    helm = str(cluster.bin_dir / "helm") if cluster.bin_dir else shutil.which("helm")
+    if cluster.kubelet is None or helm is None:
+        pytest.skip("runs the operator image through the process kubelet, installed with helm")
+    cluster.kubectl("apply", "-f", str(fleet_setup.CRDS))
     cluster.kubectl(
         "wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s"
     )
     namespace = "operator-e2e"
     cluster.kubectl("create", "namespace", namespace)
-    log = tmp_path_factory.mktemp("operator") / "operator.log"
-    process = ServerProcess(
-        python_module("rolloutfleet_operator", "--namespace", namespace, "--metrics-port", "0"),
-        log,
-        env={"KUBECONFIG": cluster.kubeconfig},
+    install = subprocess.run(
+        [
+            helm,
+            "--kubeconfig",
+            cluster.kubeconfig,
+            *fleet_setup.helm_install_args(RELEASE, namespace, [namespace]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
+    assert install.returncode == 0, install.stderr
     try:
-        yield namespace, process
+        yield Operator(namespace, f"{RELEASE}-rolloutfleet-operator")
     finally:
-        process.terminate()
+        subprocess.run(
+            [helm, "--kubeconfig", cluster.kubeconfig, "uninstall", RELEASE, "-n", namespace],
+            capture_output=True,
+            timeout=120,
+        )
         cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
@@ -60,7 +88,7 @@ def condition(status: dict, kind: str) -> str | None:
 
 
 def test_fleet_lifecycle(cluster, operator, test_tokenizer_dir):
-    namespace, process = operator
+    namespace = operator.namespace
     with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0)) as engine_url:
         fleet = {
             "apiVersion": "rolloutfleet.dev/v1alpha1",
@@ -92,7 +120,7 @@ def test_fleet_lifecycle(cluster, operator, test_tokenizer_dir):
         assert status["selector"] and len(status["proxyEndpoints"]) == 2
         assert proxy_pods(cluster, namespace) == ["f1-proxy-0", "f1-proxy-1"]
         for kind in ("pods", "deployments", "services"):
-            for item in get(cluster, namespace, kind)["items"]:
+            for item in get(cluster, namespace, kind, "-l", "app.kubernetes.io/instance=f1")["items"]:
                 owners = item["metadata"].get("ownerReferences", [])
                 if kind != "pods" or item["metadata"]["name"].startswith("f1-proxy"):
                     assert any(o["kind"] in ("RolloutFleet", "ReplicaSet") for o in owners), item["metadata"][
@@ -121,11 +149,263 @@ def test_fleet_lifecycle(cluster, operator, test_tokenizer_dir):
         cluster.kubectl("delete", "rf", "f1", "-n", namespace)
         wait_for(
             lambda: (
-                not get(cluster, namespace, "pods")["items"]
-                and not get(cluster, namespace, "deployments")["items"]
+                not get(cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=f1")["items"]
+                and not get(cluster, namespace, "deployments", "-l", "app.kubernetes.io/instance=f1")["items"]
             ),
             timeout_s=120,
             what="garbage collection of the fleet's children",
             interval_s=1,
         )
-    assert process.process.poll() is None, process.log_tail()
+    assert operator_restarts(cluster, operator) == 0
+
+
+def operator_pods(cluster, operator: Operator) -> list[dict]:
+    pods = get(cluster, operator.namespace, "pods", "-l", "app.kubernetes.io/name=rolloutfleet-operator")
+    return [p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")]
+
+
+def operator_restarts(cluster, operator: Operator) -> int:
+    return sum(
+        c.get("restartCount", 0)
+        for pod in operator_pods(cluster, operator)
+        for c in (pod.get("status") or {}).get("containerStatuses") or []
+    )
+
+
+def fleet_ready(cluster, namespace: str, name: str, replicas: int) -> dict | bool:
+    status = get(cluster, namespace, "rf", name).get("status", {})
+    ok = status.get("readyReplicas") == replicas and status.get("updatedReplicas") == replicas
+    return ok and condition(status, "Ready") == "True" and status
+
+
+def proxy_urls(cluster, namespace: str, fleet: str) -> dict[str, str]:
+    pods = get(
+        cluster,
+        namespace,
+        "pods",
+        "-l",
+        f"app.kubernetes.io/instance={fleet},app.kubernetes.io/component=proxy",
+    )
+    return fleet_setup.pod_urls(pods, 8000)
+
+
+def proxy_states(cluster, namespace: str, fleet: str) -> list[tuple[str, bool, bool, str]]:
+    """(name, ready, terminating, template hash) of each proxy pod."""
+    pods = get(
+        cluster,
+        namespace,
+        "pods",
+        "-l",
+        f"app.kubernetes.io/instance={fleet},app.kubernetes.io/component=proxy",
+    )
+    states = []
+    for pod in pods["items"]:
+        ready = any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in (pod.get("status") or {}).get("conditions") or []
+        )
+        annotations = pod["metadata"].get("annotations") or {}
+        states.append(
+            (
+                pod["metadata"]["name"],
+                ready,
+                bool(pod["metadata"].get("deletionTimestamp")),
+                annotations.get("rolloutfleet.dev/template-hash", ""),
+            )
+        )
+    return sorted(states)
+
+
+def session_tokens(url: str, session_id: str, key: str) -> dict:
+    response = httpx.get(
+        f"{url}/v1/sessions/{session_id}",
+        params={"tokens": "true"},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def one_turn(url: str, session_id: str, key: str, messages: list[dict]) -> str:
+    response = httpx.post(
+        f"{url}/v1/sessions/{session_id}/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"messages": messages, "max_tokens": 12, "seed": 1},
+        timeout=60,
+    )
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
+    cluster, operator, test_tokenizer_dir, tmp_path
+):
+    namespace = operator.namespace
+    fleet = fleet_setup.local_fleet(
+        "gpu", namespace, test_tokenizer_dir, tmp_path / "dumps", proxies=2, engines=1
+    )
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
+    status = wait_for(
+        lambda: fleet_ready(cluster, namespace, "gpu", 2),
+        timeout_s=300,
+        what="the GPU sample fleet Ready",
+        interval_s=1,
+    )
+    assert condition(status, "EnginesReady") == "True" and condition(status, "GatewayReady") == "True"
+    assert status["gatewayUrl"] == f"http://gpu-gateway.{namespace}.svc:30080"
+
+    # Engines on the GPU node with their GPUs; the router found them through the Kubernetes API.
+    engines = get(
+        cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=gpu,app.kubernetes.io/component=engine"
+    )
+    (engine,) = engines["items"]
+    assert engine["spec"]["nodeName"] == "rf-gpu-node"
+    assert engine["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    gateway = get(
+        cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=gpu,app.kubernetes.io/component=gateway"
+    )
+    wait_until_routed(fleet_setup.pod_urls(gateway, 30080).popitem()[1])
+
+    # A session through a proxy reaches the engine (by the gateway's Service name) and is recorded.
+    key = fleet_setup.admin_key(get(cluster, namespace, "secret", "gpu-admin-key"))
+    urls = proxy_urls(cluster, namespace, "gpu")
+    summary = asyncio.run(run_session(urls["gpu-proxy-0"], QUESTIONS[0], 0, admin_key=key))
+    trajectory = summary["trajectory"]
+    assert summary["num_turns"] == len(QUESTIONS[0]) and sum(trajectory["loss_mask"]) > 0
+    assert len(trajectory["logprobs"]) == len(trajectory["input_ids"]) == summary["num_tokens"]
+
+    # The settings the operator injected are the ones the proxy runs with.
+    pod = get(cluster, namespace, "pod", "gpu-proxy-1")
+    env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+    assert env["ROLLOUTFLEET_PROXY_DUMP_DIR"] == "/var/lib/rolloutfleet/dumps/gpu-proxy-1"
+    assert env["ROLLOUTFLEET_PROXY_UPSTREAM_URL"] == status["gatewayUrl"]
+
+    # A live session on proxy-1 survives the pod's deletion: the replacement restores it.
+    created = httpx.post(
+        f"{urls['gpu-proxy-1']}/v1/sessions", headers={"Authorization": f"Bearer {key}"}, json={}, timeout=30
+    ).json()
+    sid, session_key = created["session_id"], created["session_key"]
+    messages = [{"role": "user", "content": "hello there"}]
+    messages.append(
+        {"role": "assistant", "content": one_turn(urls["gpu-proxy-1"], sid, session_key, messages)}
+    )
+    before = session_tokens(urls["gpu-proxy-1"], sid, session_key)
+    uid = pod["metadata"]["uid"]
+    cluster.kubectl("delete", "pod", "gpu-proxy-1", "-n", namespace, "--wait=false")
+    wait_for(
+        lambda: (
+            get(cluster, namespace, "pod", "gpu-proxy-1")["metadata"]["uid"] != uid
+            and fleet_ready(cluster, namespace, "gpu", 2)
+        ),
+        timeout_s=180,
+        what="gpu-proxy-1 to come back under its name",
+        interval_s=1,
+    )
+    url = proxy_urls(cluster, namespace, "gpu")["gpu-proxy-1"]
+    assert session_tokens(url, sid, session_key)["trajectory"] == before["trajectory"]
+    messages.append({"role": "user", "content": "and again"})
+    one_turn(url, sid, session_key, messages)
+    assert session_tokens(url, sid, session_key)["num_turns"] == before["num_turns"] + 1
+
+    # A spec change rolls the proxies one at a time; the session survives the roll as well.
+    old_hash = {state[3] for state in proxy_states(cluster, namespace, "gpu")}
+    samples: list[list[tuple[str, bool, bool, str]]] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            samples.append(proxy_states(cluster, namespace, "gpu"))
+            time.sleep(0.3)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    cluster.kubectl(
+        "patch", "rf", "gpu", "-n", namespace, "--type=merge", "-p",
+        json.dumps({"spec": {"proxy": {"staleSessionTimeoutSeconds": 900}}}),
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: (
+                (states := proxy_states(cluster, namespace, "gpu"))
+                and len(states) == 2
+                and all(s[1] and not s[2] and s[3] not in old_hash for s in states)
+                and fleet_ready(cluster, namespace, "gpu", 2)
+            ),
+            timeout_s=240,
+            what="both proxies rolled to the new template",
+            interval_s=1,
+        )
+    finally:
+        stop.set()
+        watcher.join()
+    unavailable = [
+        sum(
+            1
+            for ordinal in (0, 1)
+            if not any(s[0] == f"gpu-proxy-{ordinal}" and s[1] and not s[2] for s in sample)
+        )
+        for sample in samples
+    ]
+    assert max(unavailable) == 1, "the roll should replace one proxy at a time"
+    assert unavailable.count(0) < len(unavailable)
+    url = proxy_urls(cluster, namespace, "gpu")["gpu-proxy-1"]
+    assert session_tokens(url, sid, session_key)["num_turns"] == before["num_turns"] + 1
+
+    cluster.kubectl("delete", "rf", "gpu", "-n", namespace)
+    wait_for(
+        lambda: not get(cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=gpu")["items"],
+        timeout_s=120,
+        what="the GPU fleet's pods to be garbage-collected",
+        interval_s=1,
+    )
+
+
+def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster, operator, test_tokenizer_dir):
+    namespace = operator.namespace
+    with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0)) as engine_url:
+        fleet = {
+            "apiVersion": "rolloutfleet.dev/v1alpha1",
+            "kind": "RolloutFleet",
+            "metadata": {"name": "k1", "namespace": namespace},
+            "spec": {
+                "proxy": {
+                    "replicas": 3,
+                    "tokenizer": {
+                        "path": "/models/tokenizer",
+                        "volume": {"hostPath": {"path": str(test_tokenizer_dir)}},
+                    },
+                },
+                "gateway": {"policy": "round_robin"},
+                "externalEngineUrls": [engine_url],
+            },
+        }
+        (old,) = operator_pods(cluster, operator)
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
+        wait_for(
+            lambda: get(cluster, namespace, "all", "-l", "app.kubernetes.io/instance=k1")["items"],
+            timeout_s=60,
+            what="the operator to start creating k1's children",
+            interval_s=0.1,
+        )
+        cluster.kubectl(
+            "delete", "pod", old["metadata"]["name"], "-n", namespace, "--force", "--grace-period=0"
+        )
+        wait_for(
+            lambda: fleet_ready(cluster, namespace, "k1", 3),
+            timeout_s=180,
+            what="k1 Ready after the kill",
+            interval_s=1,
+        )
+        (new,) = operator_pods(cluster, operator)
+        assert new["metadata"]["uid"] != old["metadata"]["uid"]
+        names = [s[0] for s in proxy_states(cluster, namespace, "k1")]
+        assert names == ["k1-proxy-0", "k1-proxy-1", "k1-proxy-2"]
+        for kind, expected in (("deployments", 1), ("services", 2), ("secrets", 1), ("serviceaccounts", 1)):
+            items = get(cluster, namespace, kind, "-l", "app.kubernetes.io/instance=k1")["items"]
+            assert len(items) == expected, (kind, [i["metadata"]["name"] for i in items])
+        # Converged means quiet: another pass changes nothing (the fleet's resourceVersion holds).
+        version = get(cluster, namespace, "rf", "k1")["metadata"]["resourceVersion"]
+        time.sleep(12)  # longer than the operator's periodic pass
+        assert get(cluster, namespace, "rf", "k1")["metadata"]["resourceVersion"] == version
+        cluster.kubectl("delete", "rf", "k1", "-n", namespace)
