@@ -295,7 +295,7 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
     cluster.kubectl("delete", "pod", "gpu-proxy-1", "-n", namespace, "--wait=false")
     wait_for(
         lambda: (
-            get(cluster, namespace, "pod", "gpu-proxy-1")["metadata"]["uid"] != uid
+            pod_uid(cluster, namespace, "gpu-proxy-1") not in (None, uid)
             and fleet_ready(cluster, namespace, "gpu", 2)
         ),
         timeout_s=180,
@@ -401,7 +401,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster, ope
         assert new["metadata"]["uid"] != old["metadata"]["uid"]
         names = [s[0] for s in proxy_states(cluster, namespace, "k1")]
         assert names == ["k1-proxy-0", "k1-proxy-1", "k1-proxy-2"]
-        for kind, expected in (("deployments", 1), ("services", 2), ("secrets", 1), ("serviceaccounts", 1)):
+        for kind, expected in (("deployments", 1), ("services", 3), ("secrets", 1), ("serviceaccounts", 1)):
             items = get(cluster, namespace, kind, "-l", "app.kubernetes.io/instance=k1")["items"]
             assert len(items) == expected, (kind, [i["metadata"]["name"] for i in items])
         # Converged means quiet: another pass changes nothing (the fleet's resourceVersion holds).
