@@ -60,3 +60,37 @@ def running_proxy(
 
 def chat_body(messages: list[dict], **params) -> dict:
     return {"model": "rolloutfleet", "messages": messages, "max_tokens": 16, "temperature": 0.7, **params}
+
+
+def play_session(
+    proxy: RunningProxy,
+    turns: int = 1,
+    reward: float | None = None,
+    turn_rewards: dict[int, float] | None = None,
+    finish: bool = True,
+) -> tuple[str, str]:
+    """Create a session, run `turns` turns against the proxy's upstream, set rewards, finish it."""
+    sid, key = proxy.create_session(metadata={"task": "t"})
+    auth = {"Authorization": f"Bearer {key}"}
+    messages: list[dict] = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"turn {turn}"})
+        reply = httpx.post(
+            f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+            headers=auth,
+            json=chat_body(messages),
+            timeout=30,
+        )
+        assert reply.status_code == 200, reply.text
+        messages.append(reply.json()["choices"][0]["message"])
+    for turn, value in (turn_rewards or {}).items():
+        assert httpx.post(
+            f"{proxy.url}/v1/sessions/{sid}/reward", headers=auth, json={"reward": value, "turn": turn}
+        ).is_success
+    if reward is not None:
+        assert httpx.post(
+            f"{proxy.url}/v1/sessions/{sid}/reward", headers=auth, json={"reward": reward}
+        ).is_success
+    if finish:
+        assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/finish", headers=auth).is_success
+    return sid, key

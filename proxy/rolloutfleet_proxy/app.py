@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
+from .admission import CONCURRENCY_RETRY_AFTER_S, STALENESS_RETRY_AFTER_S, limiting_bound
 from .errors import ProxyError, bad_request, error_response, unauthorized, unavailable
 from .ids import (
     SESSION_ID_RULE,
@@ -36,6 +37,7 @@ from .runtime import ProxyRuntime
 from .session import Session
 from .settings import ProxySettings
 from .stats import StatsCollector
+from .trainer_routes import add_trainer_routes
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -115,6 +117,27 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
     async def _unexpected(_request: Request, exc: Exception) -> Response:
         return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
+    def refuse_over_capacity() -> None:
+        """429 when admission has no room for one more session (see admission.py)."""
+        version = runtime.generation.model_version
+        bound = limiting_bound(runtime.limits, version, runtime.admission.accepted, runtime.store.running)
+        if bound is None:
+            return
+        runtime.admission.refused += 1
+        limits, running = runtime.limits, runtime.store.running
+        if bound == "concurrency":
+            message = f"{running} sessions are running, the most this proxy admits (max_concurrent_sessions)"
+            retry_after = CONCURRENCY_RETRY_AFTER_S
+        else:
+            message = (
+                f"admitting another session could exceed the off-policy bound: {runtime.admission.accepted} "
+                f"accepted + {running} running sessions reach (max_staleness {limits.max_staleness} + "
+                f"model version {version} + 1) x batch share {limits.batch_share}; "
+                "capacity returns when the trainer publishes a new model version"
+            )
+            retry_after = STALENESS_RETRY_AFTER_S
+        raise ProxyError(429, "over_capacity", message, {"Retry-After": str(retry_after)})
+
     # --- sessions -------------------------------------------------------------------------------
 
     @app.post("/v1/sessions", status_code=201)
@@ -135,9 +158,11 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             raise bad_request("invalid_metadata", "metadata must be a JSON object")
         if metadata and len(orjson.dumps(metadata)) > settings.max_metadata_bytes:
             raise bad_request("invalid_metadata", f"metadata exceeds {settings.max_metadata_bytes} bytes")
+        refuse_over_capacity()
         key = new_session_key()
         runtime.store.add(Session(session_id, key_digest(key), metadata))
         runtime.counters.sessions_created += 1
+        runtime.admission.enqueued += 1
         path = f"/v1/sessions/{session_id}"
         base = (settings.public_url or "").rstrip("/")
         return json_response(
@@ -198,8 +223,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         session = authorized_session(request, session_id)
         if session.busy:
             raise ProxyError(409, "session_busy", f"session {session_id} has a turn in flight")
-        if not session.finished:
-            session.finished = True
+        if runtime.store.mark_finished(session):
             runtime.counters.sessions_finished += 1
         return json_response(session.summary())
 
@@ -239,6 +263,8 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         return Response(completion_body(completion), media_type="application/json")
 
     app.add_route("/v1/sessions/{session_id}/chat/completions", chat, methods=["POST"])
+
+    add_trainer_routes(app, runtime, require_admin)
 
     # --- operations -----------------------------------------------------------------------------
 

@@ -114,8 +114,16 @@ class StaleSessionCleaner:
                 self._counters.sessions_evicted += len(outcome.written)
                 evicted = len(outcome.written)
             del stale
-        # Trim when anything left memory since the last trim: stale dumps here, but also DELETEs.
-        departed = self._counters.sessions_evicted + self._counters.sessions_dropped
+        # Trim when anything left memory since the last trim: stale dumps here, but also DELETEs and
+        # export batches freed by an acknowledgement, an expiry or a drop.
+        c = self._counters
+        departed = (
+            c.sessions_evicted
+            + c.sessions_dropped
+            + c.batches_acknowledged
+            + c.batches_expired
+            + c.batches_dropped
+        )
         if departed != self._departed_at_last_trim and self._trimmer.available:
             self._departed_at_last_trim = departed
             if await asyncio.to_thread(self._trimmer.trim):

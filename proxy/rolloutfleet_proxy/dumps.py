@@ -3,12 +3,17 @@
 Layout of a dump directory:
     live/<session_id>.safetensors             sessions drained at shutdown; restored on the next start
     stale/<session_id>.<unix_ms>.safetensors  sessions evicted after idling past the timeout
-    corrupt/                                  live files that could not be read back (kept, not deleted)
+    live-exports/<batch_id>.safetensors       exported batches not yet acknowledged at shutdown; restored
+    exported/<batch_id>.<unix_ms>.safetensors exported batches never acknowledged within the export TTL
+    corrupt/                                  files that could not be read back (kept, not deleted)
+    state.json                                model version, pause and admission counters
 
-A file holds the tensors `input_ids` (int32), `loss_mask` (uint8), `logprobs` (float32) and
-`turn_bounds` (int32, [turns, 3]: first new input token, first output token, end of output), and
-under the metadata key `rolloutfleet.session` a JSON object with the rest of the session. Any
-safetensors reader reads it; `load_session_file` turns it back into a `SessionRecord`.
+A session file holds the tensors `input_ids` (int32), `loss_mask` (uint8), `logprobs` (float32),
+`turn_bounds` (int32, [turns, 3]: first new input token, first output token, end of output) and
+`turn_versions` (int32, [turns]: the model version each turn was generated under), and under the
+metadata key `rolloutfleet.session` a JSON object with the rest of the session. Any safetensors
+reader reads it; `load_session_file` turns it back into a `SessionRecord`. Batch files are in the
+export format (`export_format.py`).
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ from safetensors import safe_open
 from safetensors.numpy import save as safetensors_save
 
 from .ids import is_valid_session_id
-from .session import TURN_BOUND_FIELDS, SessionRecord
+from .session import TURN_BOUND_FIELDS, UNKNOWN_VERSION, SessionRecord
 
 FORMAT = "rolloutfleet.session"
 FORMAT_VERSION = 1
 LIVE_AREA = "live"
 STALE_AREA = "stale"
+LIVE_EXPORTS_AREA = "live-exports"
+EXPORTED_AREA = "exported"
 CORRUPT_AREA = "corrupt"
 SUFFIX = ".safetensors"
 
@@ -44,9 +51,10 @@ def area_dir(dump_dir: Path, area: str) -> Path:
 
 
 def dump_file_path(dump_dir: Path, area: str, session_id: str, stamp_ms: int | None = None) -> Path:
-    """The file for a session; refuses ids that could name anything outside the area directory."""
+    """The file for a session (or batch: same id rule); refuses ids that could name anything outside
+    the area directory."""
     if not is_valid_session_id(session_id):
-        raise ValueError(f"invalid session id {session_id!r}")
+        raise ValueError(f"invalid id {session_id!r}")
     name = session_id + (f".{stamp_ms}" if stamp_ms is not None else "") + SUFFIX
     directory = area_dir(dump_dir, area).resolve()
     path = (directory / name).resolve()
@@ -61,6 +69,7 @@ def encode_record(record: SessionRecord, reason: str) -> bytes:
         "loss_mask": np.frombuffer(record.loss_mask, dtype=np.uint8),
         "logprobs": np.frombuffer(record.logprobs, dtype=np.float32),
         "turn_bounds": np.frombuffer(record.turn_bounds, dtype=np.int32).reshape(-1, TURN_BOUND_FIELDS),
+        "turn_versions": np.frombuffer(record.turn_versions, dtype=np.int32),
     }
     header = {
         "format": FORMAT,
@@ -111,6 +120,15 @@ def write_session_dump(dump_dir: Path, area: str, record: SessionRecord, reason:
     return path
 
 
+def write_batch_dump(dump_dir: Path, area: str, batch_id: str, data: bytes) -> Path:
+    """Write an exported batch's bytes as they are (blocking: call from a worker thread). Expired
+    batches get a time stamp in their name, like stale sessions; drained ones are named by id."""
+    stamp = int(time.time() * 1000) if area == EXPORTED_AREA else None
+    path = dump_file_path(dump_dir, area, batch_id, stamp)
+    write_atomic(path, data)
+    return path
+
+
 def load_session_file(path: str | os.PathLike) -> SessionRecord:
     """Read a dump file back (the documented loader). Anything malformed raises DumpFormatError."""
     try:
@@ -140,6 +158,13 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
     loss_mask = array("B", tensors["loss_mask"].astype(np.uint8, copy=False).tobytes())
     logprobs = array("f", tensors["logprobs"].astype(np.float32, copy=False).tobytes())
     turn_bounds = array("i", tensors["turn_bounds"].astype(np.int32, copy=False).tobytes())
+    turns = len(turn_bounds) // TURN_BOUND_FIELDS
+    if "turn_versions" in tensors:
+        turn_versions = array("i", tensors["turn_versions"].astype(np.int32, copy=False).tobytes())
+    else:  # written before versions were recorded
+        turn_versions = array("i", [UNKNOWN_VERSION] * turns)
+    if len(turn_versions) != turns:
+        raise DumpFormatError(f"{path}: turn_versions do not match turn_bounds")
     if not len(token_ids) == len(loss_mask) == len(logprobs):
         raise DumpFormatError(f"{path}: input_ids, loss_mask and logprobs differ in length")
     if len(turn_bounds) % TURN_BOUND_FIELDS or any(b < 0 or b > len(token_ids) for b in turn_bounds):
@@ -153,6 +178,7 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
         loss_mask=loss_mask,
         logprobs=logprobs,
         turn_bounds=turn_bounds,
+        turn_versions=turn_versions,
         message_count=int(header["message_count"]),
         history_digest=bytes.fromhex(header["history_digest"]),
         last_output_stopped=bool(header["last_output_stopped"]),
@@ -163,15 +189,16 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
     )
 
 
-def list_live_dumps(dump_dir: Path) -> list[Path]:
-    directory = area_dir(dump_dir, LIVE_AREA)
+def list_live_dumps(dump_dir: Path, area: str = LIVE_AREA) -> list[Path]:
+    """The files a starting proxy restores from an area (`live/` sessions, `live-exports/` batches)."""
+    directory = area_dir(dump_dir, area)
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith("."))
 
 
 def quarantine(path: Path, dump_dir: Path) -> Path:
-    """Move an unreadable live dump aside so it is kept for inspection but not retried forever."""
+    """Move an unreadable file aside so it is kept for inspection but not retried forever."""
     target_dir = area_dir(dump_dir, CORRUPT_AREA)
     target_dir.mkdir(parents=True, exist_ok=True)
     target = target_dir / f"{path.name}.{int(time.time() * 1000)}"

@@ -31,3 +31,8 @@ def key_digest(key: str) -> bytes:
 
 def key_matches(key: str, digest: bytes) -> bool:
     return hmac.compare_digest(key_digest(key), digest)
+
+
+def new_batch_id() -> str:
+    """Export batch ids follow the session id rule (they name dump files too)."""
+    return "batch-" + secrets.token_urlsafe(12)

@@ -12,6 +12,8 @@ from .history import EMPTY_DIGEST
 
 # Per-turn bounds: (first new input token, first output token, end of output) offsets into token_ids.
 TURN_BOUND_FIELDS = 3
+# The model version of a turn generated before versions were recorded (and of non-generated tokens).
+UNKNOWN_VERSION = -1
 
 
 @dataclass
@@ -26,6 +28,7 @@ class SessionRecord:
     loss_mask: array
     logprobs: array
     turn_bounds: array
+    turn_versions: array = field(default_factory=lambda: array("i"))  # model version per turn
     message_count: int = 0
     history_digest: bytes = EMPTY_DIGEST
     last_output_stopped: bool = False
@@ -59,6 +62,7 @@ class Session:
         "token_ids",
         "turn_bounds",
         "turn_rewards",
+        "turn_versions",
     )
 
     def __init__(
@@ -76,6 +80,7 @@ class Session:
         self.loss_mask = array("B")
         self.logprobs = array("f")
         self.turn_bounds = array("i")
+        self.turn_versions = array("i")
         self.message_count = 0
         self.history_digest = EMPTY_DIGEST
         self.last_output_stopped = False
@@ -117,8 +122,10 @@ class Session:
         history_digest: bytes,
         stopped: bool,
         stop_token: int | None,
+        model_version: int = UNKNOWN_VERSION,
     ) -> int:
-        """Record one completed turn; returns the number of tokens added. Inputs are validated first."""
+        """Record one completed turn, generated under `model_version`; returns the number of tokens
+        added. Inputs are validated first."""
         if len(output_ids) != len(output_logprobs):
             raise ValueError("output ids and logprobs differ in length")
         input_start = len(self.token_ids)
@@ -133,6 +140,7 @@ class Session:
         self.logprobs.frombytes(bytes(4 * n_in))
         self.logprobs.extend(output_logprobs)
         self.turn_bounds.extend((input_start, output_start, output_start + n_out))
+        self.turn_versions.append(model_version)
         self.message_count = message_count
         self.history_digest = history_digest
         self.last_output_stopped = stopped
@@ -162,6 +170,7 @@ class Session:
             loss_mask=self.loss_mask,
             logprobs=self.logprobs,
             turn_bounds=self.turn_bounds,
+            turn_versions=self.turn_versions,
             message_count=self.message_count,
             history_digest=self.history_digest,
             last_output_stopped=self.last_output_stopped,
@@ -178,6 +187,7 @@ class Session:
         session.loss_mask = record.loss_mask
         session.logprobs = record.logprobs
         session.turn_bounds = record.turn_bounds
+        session.turn_versions = record.turn_versions
         session.message_count = record.message_count
         session.history_digest = record.history_digest
         session.last_output_stopped = record.last_output_stopped
@@ -207,4 +217,5 @@ class Session:
             "loss_mask": self.loss_mask.tolist(),
             "logprobs": self.logprobs.tolist(),
             "turns": [list(t) for t in self.turns()],
+            "turn_versions": self.turn_versions.tolist(),
         }

@@ -66,6 +66,26 @@ class ProxySettings(BaseSettings):
         description="Recently ended session ids remembered, so late calls get 410 instead of 404.",
     )
 
+    export_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long an exported batch waits for the trainer's ack before it is dumped and freed.",
+    )
+    paused_turn_timeout_s: float = Field(
+        300.0, gt=0, description="How long a turn waits while generation is paused before it gets 503."
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="Off-policy bound in model versions for admitting new sessions (unset: no bound).",
+    )
+    staleness_batch_share: int = Field(
+        1, ge=1, description="This proxy's share of the trainer's batch size (batch / replicas, at least 1)."
+    )
+    max_concurrent_sessions: int = Field(
+        0, ge=0, description="Most running (created, unfinished) sessions admitted at once (0: unlimited)."
+    )
+
     @model_validator(mode="after")
     def _refuse_silent_data_loss(self) -> ProxySettings:
         if self.dump_dir is None and not self.allow_dropping_sessions:

@@ -35,6 +35,28 @@ class Counters:
     cleanup_cycles: int = 0
     cleanup_errors: int = 0
     heap_trims: int = 0
+    turns_pause_timeouts: int = 0
+    batches_exported: int = 0
+    trajectories_exported: int = 0
+    batches_acknowledged: int = 0
+    batches_expired: int = 0
+    batches_drained: int = 0
+    batches_restored: int = 0
+    batches_dropped: int = 0
+    state_write_failures: int = 0
+
+
+@dataclass
+class AdmissionCounters:
+    """AReaL-style rollout counts, persisted in the state file (not reset by a restart).
+
+    `accepted` is rebased at start and on version jumps (see admission.py); `running` is not here:
+    the store derives it from the sessions it holds."""
+
+    enqueued: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    refused: int = 0
 
 
 @dataclass
@@ -82,6 +104,22 @@ _GAUGE_HELP = {
     "uptime_seconds": "Seconds since the process started",
     "loop_lag_max_seconds": "Largest event-loop lag since the process started",
     "loop_lag_recent_max_seconds": "Largest event-loop lag in the last 10 seconds",
+    "model_version": "Model version new turns are generated under",
+    "paused_turns": "Turns waiting for generation to resume",
+    "ready_trajectories": "Finished sessions held, waiting for export",
+    "export_batches": "Exported batches held until the trainer acknowledges them",
+    "export_trajectories": "Trajectories in exported batches not yet acknowledged",
+    "export_bytes": "Bytes of exported batches not yet acknowledged",
+}
+_ADMISSION_GAUGES = {
+    "running": "Sessions created and not yet finished or ended",
+    "accepted": "Finished sessions counted against the staleness bound (rebased at start)",
+    "capacity": "New sessions admission still accepts (+Inf: unbounded)",
+}
+_ADMISSION_COUNTERS = {
+    "enqueued": "Total sessions admitted (created)",
+    "rejected": "Total sessions that ended without producing a trajectory",
+    "refused": "Total session creations refused by admission (429)",
 }
 
 
@@ -104,6 +142,21 @@ class StatsCollector(Collector):
             "1 when malloc_trim is usable",
             value=float(stats["trim_available"]),
         )
+        yield GaugeMetricFamily(
+            f"{self._prefix}_generation_paused",
+            "1 while generation is paused",
+            value=float(stats["generation_paused"]),
+        )
+        admission = stats["admission"]
+        for name, help_text in _ADMISSION_GAUGES.items():
+            value = admission[name]
+            yield GaugeMetricFamily(
+                f"{self._prefix}_admission_{name}",
+                help_text,
+                value=float("inf") if value is None else float(value),
+            )
+        for name, help_text in _ADMISSION_COUNTERS.items():
+            yield CounterMetricFamily(f"{self._prefix}_admission_{name}", help_text, value=admission[name])
         for name, value in stats["totals"].items():
             yield CounterMetricFamily(
                 f"{self._prefix}_{name}", f"Total {name.replace('_', ' ')}", value=value

@@ -1,8 +1,12 @@
 """The session store: which sessions are live, which are detached for writing, which recently ended.
 
 Every method is synchronous, so each runs atomically on the event loop. `lock` serialises the
-multi-step operations that span awaits (cleanup, drain), as in: detach under the store lock, then
-snapshot under the session's own lock, then write, then forget or reattach.
+multi-step operations that span awaits (cleanup, drain, export), as in: detach under the store lock,
+then snapshot under the session's own lock, then write, then forget or reattach.
+
+The store also keeps the admission numbers that follow from what it holds: `running` (unfinished
+sessions held, live or detached), the ready queue (finished sessions, in the order they finished,
+waiting for export), and the `accepted`/`rejected` counts as sessions finish or end unfinished.
 """
 
 from __future__ import annotations
@@ -13,16 +17,20 @@ from collections.abc import Iterator
 
 from .errors import ProxyError, conflict, gone, not_found
 from .session import Session
+from .stats import AdmissionCounters
 
 
 class SessionStore:
-    def __init__(self, tombstone_capacity: int = 10000):
+    def __init__(self, tombstone_capacity: int = 10000, admission: AdmissionCounters | None = None):
         self.lock = asyncio.Lock()
         self._live: dict[str, Session] = {}
         self._detached: dict[str, Session] = {}
         self._tombstones: OrderedDict[str, str] = OrderedDict()
         self._tombstone_capacity = tombstone_capacity
+        self._ready: OrderedDict[str, Session] = OrderedDict()  # finished, held, in finish order
+        self.admission = admission or AdmissionCounters()
         self.tokens_held = 0
+        self.running = 0
 
     def __len__(self) -> int:
         return len(self._live)
@@ -33,6 +41,11 @@ class SessionStore:
     @property
     def detached_count(self) -> int:
         return len(self._detached)
+
+    @property
+    def ready_count(self) -> int:
+        """Finished sessions held (trajectories not yet exported), including any being written."""
+        return len(self._ready)
 
     def get(self, session_id: str) -> Session:
         """The live session, or the error a client should see for that id."""
@@ -58,6 +71,21 @@ class SessionStore:
         self._tombstones.pop(sid, None)
         self._live[sid] = session
         self.tokens_held += session.num_tokens
+        if session.finished:
+            self._ready[sid] = session
+        else:
+            self.running += 1
+
+    def mark_finished(self, session: Session) -> bool:
+        """Finish a live session: it produced a trajectory (accepted) and waits for export.
+        Returns False when it was already finished."""
+        if session.finished:
+            return False
+        session.finished = True
+        self.running -= 1
+        self.admission.accepted += 1
+        self._ready[session.session_id] = session
+        return True
 
     def record_growth(self, tokens: int) -> None:
         self.tokens_held += tokens
@@ -66,7 +94,7 @@ class SessionStore:
         """Remove a live session for good (DELETE): later calls get 404, as for any unknown id."""
         session = self.get(session_id)
         del self._live[session_id]
-        self._end(session, reason, remember=False)
+        self._end(session, reason, remember=False, final=True)
         return session
 
     def detach_stale(self, now: float, timeout_s: float) -> list[Session]:
@@ -82,26 +110,71 @@ class SessionStore:
             self._detach(session)
         return sessions
 
+    def take_ready(self, limit: int) -> list[Session]:
+        """Detach up to `limit` finished sessions, those that finished first first (for export)."""
+        taken = []
+        for session in self._ready.values():
+            if len(taken) == limit:
+                break
+            if session.session_id in self._live and not session.busy:
+                taken.append(session)
+        for session in taken:
+            self._detach(session)
+        return taken
+
+    def take_finished(self, session_ids: list[str]) -> list[Session]:
+        """Detach exactly these finished sessions (for export), or none: the first problem found is
+        raised, naming every id it applies to, and nothing is taken."""
+        unknown = [
+            sid
+            for sid in session_ids
+            if sid not in self._live and sid not in self._detached and sid not in self._tombstones
+        ]
+        if unknown:
+            raise not_found(f"unknown session ids: {_some(unknown)}")
+        sessions = [self.get(sid) for sid in session_ids]  # 409 being written, 410 ended
+        unfinished = [s.session_id for s in sessions if not s.finished or s.busy]
+        if unfinished:
+            raise conflict(
+                "session_not_finished", f"sessions not finished (finish them first): {_some(unfinished)}"
+            )
+        for session in sessions:
+            self._detach(session)
+        return sessions
+
     def reattach(self, session: Session) -> None:
         """Put back a detached session whose write failed: it stays, and is retried later."""
         del self._detached[session.session_id]
         self._live[session.session_id] = session
 
     def forget(self, session: Session, reason: str, remember: bool = True) -> None:
-        """Drop a detached session after it was written (or dropping was chosen explicitly)."""
+        """Drop a detached session after it was written (or dropping was chosen explicitly).
+        `remember=False` is for sessions that live on elsewhere (the drain's successor)."""
         del self._detached[session.session_id]
-        self._end(session, reason, remember)
+        self._end(session, reason, remember, final=remember)
 
     def _detach(self, session: Session) -> None:
         del self._live[session.session_id]
         self._detached[session.session_id] = session
 
-    def _end(self, session: Session, reason: str, remember: bool = True) -> None:
+    def _end(self, session: Session, reason: str, remember: bool, final: bool) -> None:
+        """`final`: the session ends here, rather than continuing in the next process."""
         session.closed = True
         session.close_reason = reason
         self.tokens_held -= session.num_tokens
+        if session.finished:
+            self._ready.pop(session.session_id, None)
+        else:
+            self.running -= 1
+            if final:  # ended without producing a trajectory
+                self.admission.rejected += 1
         if remember and self._tombstone_capacity:
             self._tombstones[session.session_id] = reason
             self._tombstones.move_to_end(session.session_id)
             while len(self._tombstones) > self._tombstone_capacity:
                 self._tombstones.popitem(last=False)
+
+
+def _some(ids: list[str], shown: int = 20) -> str:
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return ", ".join(ids[:shown]) + more

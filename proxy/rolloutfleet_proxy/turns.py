@@ -2,7 +2,9 @@
 
 The session lock is held for the whole turn, so a reply is only ever returned after it was
 recorded. A concurrent turn is refused (409) rather than queued; a DELETE cancels the upstream
-call and the turn answers 410; an upstream failure leaves the session exactly as it was.
+call and the turn answers 410; an upstream failure leaves the session exactly as it was. While
+generation is paused a turn waits at the gate before its upstream call, and the turn is recorded
+under the model version current when it passed the gate.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 from .chat_tokens import TemplateError, TurnTokenizer
 from .errors import ProxyError, bad_request, conflict, gone, unavailable
+from .generation import GenerationControl
 from .history import extend_digest
 from .openai_format import ChatRequest
 from .session import Session
@@ -41,7 +44,9 @@ class TurnService:
         upstream: SGLangClient,
         counters: Counters,
         gauges: Gauges,
+        generation: GenerationControl,
     ):
+        self._generation = generation
         self._store = store
         self._tokenizer = tokenizer
         self._upstream = upstream
@@ -96,9 +101,13 @@ class TurnService:
             prompt.extend(new_ids)
             t_up = time.perf_counter()
             timings["tokenize_ms"] = _ms(t_tok, t_up)
-            generation = await self._call_upstream(session, prompt, request.sampling_params)
+            generation, model_version, paused_s = await self._call_upstream(
+                session, prompt, request.sampling_params
+            )
             t_rec = time.perf_counter()
-            timings["upstream_ms"] = _ms(t_up, t_rec)
+            if paused_s > 0:
+                timings["pause_wait_ms"] = round(paused_s * 1000, 3)
+            timings["upstream_ms"] = round(_ms(t_up, t_rec) - paused_s * 1000, 3)
             added = session.append_turn(
                 new_ids,
                 generation.output_ids,
@@ -107,6 +116,7 @@ class TurnService:
                 history_digest=extend_digest(digest, [{"role": "assistant", "content": generation.text}]),
                 stopped=generation.stop_token is not None,
                 stop_token=generation.stop_token,
+                model_version=model_version,
             )
             self._store.record_growth(added)
             session.touch()
@@ -114,8 +124,19 @@ class TurnService:
             timings["record_ms"] = _ms(t_rec, time.perf_counter())
             return TurnResult(session.num_turns - 1, generation, len(prompt))
 
-    async def _call_upstream(self, session: Session, prompt: list[int], sampling: dict) -> Generation:
-        task = asyncio.create_task(self._upstream.generate(prompt, sampling))
+    async def _generate(self, prompt: list[int], sampling: dict) -> tuple[Generation, int, float]:
+        """Pass the pause gate, then generate: (generation, model version, seconds held by a pause)."""
+        model_version, paused_s = await self._generation.enter()
+        try:
+            return await self._upstream.generate(prompt, sampling), model_version, paused_s
+        finally:
+            self._generation.leave()
+
+    async def _call_upstream(
+        self, session: Session, prompt: list[int], sampling: dict
+    ) -> tuple[Generation, int, float]:
+        # One task for the wait at the gate and the call: a DELETE or the drain cancels either.
+        task = asyncio.create_task(self._generate(prompt, sampling))
         session.in_flight = task
         self._gauges.inflight_turns += 1
         self.turns_done.clear()
@@ -139,6 +160,11 @@ class TurnService:
             )
         try:
             return task.result()
-        except ProxyError:
-            self._counters.turns_failed += 1
+        except ProxyError as exc:
+            if exc.code == "generation_paused":
+                self._counters.turns_pause_timeouts += 1
+            elif exc.code == "draining":  # the gate closed for shutdown while the turn waited
+                self._counters.turns_cancelled += 1
+            else:
+                self._counters.turns_failed += 1
             raise

@@ -1,0 +1,201 @@
+"""The exported batch: finished trajectories packed into one safetensors file, and its JSON view.
+
+Packed, not padded: trajectories are concatenated and `cu_seqlens` delimits them, so the proxy never
+holds padding (one 32k-token trajectory among short ones would multiply a padded batch's bytes). The
+trainer client pads on its side and builds `attention_mask` there.
+
+Tensors (N tokens, B trajectories, T turns in the batch):
+    input_ids      int32   [N]     every token id of every trajectory, back to back
+    loss_mask      uint8   [N]     1 on generated tokens
+    logprobs       float32 [N]     logprob of each generated token, 0 elsewhere
+    versions       int32   [N]     model version each generated token was produced under, -1 elsewhere
+    cu_seqlens     int64   [B+1]   trajectory i is tokens cu_seqlens[i]:cu_seqlens[i+1]
+    rewards        float32 [B]     the session reward, NaN when none was set
+    turn_bounds    int32   [T, 3]  per turn [input_start, output_start, end], relative to its trajectory
+    turn_versions  int32   [T]     model version per turn
+    turn_rewards   float32 [T]     per-turn reward, NaN when none was set
+    cu_turns       int64   [B+1]   trajectory i has turns cu_turns[i]:cu_turns[i+1]
+The metadata key `rolloutfleet.export` holds a JSON header (batch id, per-trajectory session ids and
+metadata). Every function here is blocking CPU work: call it from a worker thread.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import orjson
+from safetensors.numpy import load as safetensors_load
+from safetensors.numpy import save as safetensors_save
+
+from .session import TURN_BOUND_FIELDS, UNKNOWN_VERSION, SessionRecord
+
+FORMAT = "rolloutfleet.export"
+FORMAT_VERSION = 1
+MEDIA_TYPE = "application/vnd.rolloutfleet.safetensors"
+
+TENSOR_DTYPES = {
+    "input_ids": np.int32,
+    "loss_mask": np.uint8,
+    "logprobs": np.float32,
+    "versions": np.int32,
+    "cu_seqlens": np.int64,
+    "rewards": np.float32,
+    "turn_bounds": np.int32,
+    "turn_versions": np.int32,
+    "turn_rewards": np.float32,
+    "cu_turns": np.int64,
+}
+
+
+class BatchFormatError(ValueError):
+    pass
+
+
+@dataclass
+class DecodedBatch:
+    header: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+
+    @property
+    def batch_id(self) -> str:
+        return self.header["batch_id"]
+
+    @property
+    def num_trajectories(self) -> int:
+        return len(self.tensors["rewards"])
+
+    def trajectory(self, i: int) -> dict[str, Any]:
+        """One trajectory as plain Python lists (the JSON view)."""
+        t = self.tensors
+        start, end = int(t["cu_seqlens"][i]), int(t["cu_seqlens"][i + 1])
+        first_turn, last_turn = int(t["cu_turns"][i]), int(t["cu_turns"][i + 1])
+        info = self.header["trajectories"][i]
+        return {
+            "session_id": info["session_id"],
+            "metadata": info["metadata"],
+            "created_at": info["created_at"],
+            "input_ids": t["input_ids"][start:end].tolist(),
+            "attention_mask": [1] * (end - start),
+            "loss_mask": t["loss_mask"][start:end].tolist(),
+            "logprobs": t["logprobs"][start:end].tolist(),
+            "versions": t["versions"][start:end].tolist(),
+            "reward": _finite_or_none(t["rewards"][i]),
+            "turn_bounds": t["turn_bounds"][first_turn:last_turn].tolist(),
+            "turn_versions": t["turn_versions"][first_turn:last_turn].tolist(),
+            "turn_rewards": [_finite_or_none(r) for r in t["turn_rewards"][first_turn:last_turn]],
+        }
+
+
+def _finite_or_none(value: float) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype)
+
+
+def _token_versions(record: SessionRecord) -> np.ndarray:
+    versions = np.full(len(record.token_ids), UNKNOWN_VERSION, np.int32)
+    bounds = record.turn_bounds
+    for turn, version in enumerate(record.turn_versions):
+        _, output_start, end = bounds[turn * TURN_BOUND_FIELDS : (turn + 1) * TURN_BOUND_FIELDS]
+        versions[output_start:end] = version
+    return versions
+
+
+def encode_batch(batch_id: str, records: list[SessionRecord], model_version: int) -> bytes:
+    """The safetensors bytes of one batch of finished sessions."""
+    lengths = [len(r.token_ids) for r in records]
+    turn_counts = [len(r.turn_bounds) // TURN_BOUND_FIELDS for r in records]
+    tensors = {
+        "input_ids": _concat([np.frombuffer(r.token_ids, np.int32) for r in records], np.int32),
+        "loss_mask": _concat([np.frombuffer(r.loss_mask, np.uint8) for r in records], np.uint8),
+        "logprobs": _concat([np.frombuffer(r.logprobs, np.float32) for r in records], np.float32),
+        "versions": _concat([_token_versions(r) for r in records], np.int32),
+        "cu_seqlens": np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int64),
+        "rewards": np.array([math.nan if r.reward is None else r.reward for r in records], np.float32),
+        "turn_bounds": _concat([np.frombuffer(r.turn_bounds, np.int32) for r in records], np.int32).reshape(
+            -1, TURN_BOUND_FIELDS
+        ),
+        "turn_versions": _concat([np.frombuffer(r.turn_versions, np.int32) for r in records], np.int32),
+        "turn_rewards": np.array(
+            [
+                r.turn_rewards.get(t, math.nan)
+                for r, n in zip(records, turn_counts, strict=True)
+                for t in range(n)
+            ],
+            np.float32,
+        ),
+        "cu_turns": np.concatenate([[0], np.cumsum(turn_counts, dtype=np.int64)]).astype(np.int64),
+    }
+    header = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "batch_id": batch_id,
+        "created_at": time.time(),
+        "model_version": model_version,
+        "trajectories": [
+            {"session_id": r.session_id, "metadata": r.metadata, "created_at": r.created_at} for r in records
+        ],
+    }
+    return safetensors_save(tensors, metadata={FORMAT: orjson.dumps(header).decode()})
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    # safetensors.numpy.load returns tensors only; the header is 8 bytes of length, then JSON.
+    (length,) = struct.unpack("<Q", data[:8])
+    return orjson.loads(data[8 : 8 + length]).get("__metadata__") or {}
+
+
+def decode_batch(data: bytes) -> DecodedBatch:
+    """Read and check a batch; anything malformed raises BatchFormatError."""
+    try:
+        header = orjson.loads(_metadata(data)[FORMAT])
+        tensors = safetensors_load(data)
+    except Exception as exc:
+        raise BatchFormatError(f"not a readable {FORMAT} file: {type(exc).__name__}: {exc}") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise BatchFormatError(f"no {FORMAT} header")
+    if header.get("format_version") != FORMAT_VERSION:
+        raise BatchFormatError(f"unsupported {FORMAT} version {header.get('format_version')!r}")
+    for name, dtype in TENSOR_DTYPES.items():
+        if name not in tensors or tensors[name].dtype != dtype:
+            raise BatchFormatError(f"tensor {name} is missing or not {np.dtype(dtype).name}")
+    t = tensors
+    n, b = len(t["input_ids"]), len(t["rewards"])
+    infos = header.get("trajectories")
+    consistent = (
+        isinstance(infos, list)
+        and len(infos) == b
+        and all(isinstance(i, dict) and "session_id" in i for i in infos)
+        and len(t["loss_mask"]) == len(t["logprobs"]) == len(t["versions"]) == n
+        and len(t["cu_seqlens"]) == len(t["cu_turns"]) == b + 1
+        and int(t["cu_seqlens"][-1]) == n
+        and t["turn_bounds"].shape == (len(t["turn_versions"]), TURN_BOUND_FIELDS)
+        and len(t["turn_rewards"]) == len(t["turn_versions"]) == int(t["cu_turns"][-1])
+        and isinstance(header.get("batch_id"), str)
+    )
+    if not consistent:
+        raise BatchFormatError("tensors and header of the batch do not agree")
+    return DecodedBatch(header, tensors)
+
+
+def batch_json(data: bytes) -> bytes:
+    """The JSON view of a batch: the same data, one object per trajectory (for debugging)."""
+    batch = decode_batch(data)
+    return orjson.dumps(
+        {
+            "batch_id": batch.batch_id,
+            "created_at": batch.header["created_at"],
+            "model_version": batch.header["model_version"],
+            "num_trajectories": batch.num_trajectories,
+            "num_tokens": len(batch.tensors["input_ids"]),
+            "trajectories": [batch.trajectory(i) for i in range(batch.num_trajectories)],
+        }
+    )

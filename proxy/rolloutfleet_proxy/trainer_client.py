@@ -1,0 +1,311 @@
+"""Trainer-side client for a fleet of proxies: pull finished trajectories, make torch tensors, ack.
+
+    from rolloutfleet_proxy.trainer_client import FleetClient, to_torch
+
+    with FleetClient(fleet_status["proxyEndpoints"], admin_key) as fleet:
+        batches = fleet.pull(256, timeout_s=30)      # up to 256 trajectories across the proxies
+        tensors = to_torch(batches)                  # padded [B, T] tensors with attention_mask
+        train_step(tensors)
+        fleet.ack(batches)                           # only now do the proxies free them
+        fleet.set_model_version(step + 1)
+
+Acknowledge a batch only once it is used: a batch not acknowledged within the proxy's export TTL is
+written to its `exported/` directory and freed. The proxy server never imports this module. It
+needs httpx (and numpy and safetensors, as the proxy does); torch is imported by `to_torch` only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import httpx
+import numpy as np
+
+from .export_format import DecodedBatch, decode_batch
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger("rolloutfleet.trainer_client")
+
+ALREADY_ACKNOWLEDGED = "batch_already_acknowledged"
+
+
+class ProxyCallError(RuntimeError):
+    """A proxy answered with an error that retrying will not fix (or retries ran out)."""
+
+    def __init__(self, url: str, status: int | None, code: str, message: str):
+        super().__init__(f"{url}: {status} {code}: {message}")
+        self.url, self.status, self.code, self.message = url, status, code, message
+
+
+@dataclass
+class PulledBatch:
+    """One exported batch as a proxy sent it (the safetensors bytes, decoded on first use)."""
+
+    proxy_url: str
+    batch_id: str
+    data: bytes = field(repr=False)
+
+    @cached_property
+    def decoded(self) -> DecodedBatch:
+        return decode_batch(self.data)
+
+    @property
+    def num_trajectories(self) -> int:
+        return self.decoded.num_trajectories
+
+    def trajectories(self) -> list[dict[str, Any]]:
+        """Per trajectory: proxy, batch, session id, session metadata, reward, model versions."""
+        batch = self.decoded
+        tensors = batch.tensors
+        infos = []
+        for i, info in enumerate(batch.header["trajectories"]):
+            start, end = int(tensors["cu_seqlens"][i]), int(tensors["cu_seqlens"][i + 1])
+            reward = float(tensors["rewards"][i])
+            infos.append(
+                {
+                    "proxy_url": self.proxy_url,
+                    "batch_id": self.batch_id,
+                    "session_id": info["session_id"],
+                    "metadata": info["metadata"],
+                    "num_tokens": end - start,
+                    "reward": None if np.isnan(reward) else reward,
+                }
+            )
+        return infos
+
+
+def _error_of(response: httpx.Response) -> tuple[str, str]:
+    try:
+        error = response.json()["error"]
+        return str(error["code"]), str(error["message"])
+    except Exception:
+        return "http_error", response.text[:300]
+
+
+class FleetClient:
+    """Synchronous client for one or many proxies (a fleet's `status.proxyEndpoints`).
+
+    Calls that are safe to repeat are retried on connection failures and on 503 (a proxy draining
+    or restarting: its batches and state continue on its replacement at the same URL). Creating an
+    export is retried only when the request never reached the proxy; after a lost answer the batch
+    is still held there, and `pending()` finds it.
+    """
+
+    def __init__(
+        self,
+        proxy_urls: Sequence[str] | str,
+        admin_key: str,
+        *,
+        timeout_s: float = 120.0,
+        retries: int = 10,
+        retry_backoff_s: float = 0.5,
+        client: httpx.Client | None = None,
+    ):
+        urls = [proxy_urls] if isinstance(proxy_urls, str) else list(proxy_urls)
+        if not urls:
+            raise ValueError("no proxy URLs")
+        self.proxy_urls = [u.rstrip("/") for u in urls]
+        self._client = client or httpx.Client(timeout=timeout_s)
+        self._owns_client = client is None
+        self._headers = {"Authorization": f"Bearer {admin_key}"}
+        self._retries = retries
+        self._backoff_s = retry_backoff_s
+        self._next_proxy = 0  # pulls start at a rotating proxy, so none is always asked last
+
+    def close(self) -> None:
+        if self._owns_client:
+            self._client.close()
+
+    def __enter__(self) -> FleetClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- HTTP with retries ---------------------------------------------------------------------
+
+    def _call(
+        self, method: str, url: str, *, repeatable: bool = True, retries: int | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        retries = self._retries if retries is None else retries
+        for attempt in range(retries + 1):
+            last = attempt == retries
+            try:
+                response = self._client.request(method, url, headers=self._headers, **kwargs)
+            except httpx.TransportError as exc:
+                # Not sent at all: always safe to retry. Sent but unanswered: only if repeatable.
+                if last or not (repeatable or isinstance(exc, httpx.ConnectError)):
+                    raise ProxyCallError(url, None, "unreachable", f"{type(exc).__name__}: {exc}") from exc
+            else:
+                if response.status_code != 503 or last:
+                    return response
+            time.sleep(self._backoff_s * (attempt + 1))
+        raise AssertionError("unreachable")
+
+    def _checked(self, response: httpx.Response, *ok: int) -> httpx.Response:
+        if response.status_code not in ok:
+            code, message = _error_of(response)
+            raise ProxyCallError(str(response.request.url), response.status_code, code, message)
+        return response
+
+    def _each(self, call: Callable[[str], Any]) -> dict[str, Any]:
+        return {url: call(url) for url in self.proxy_urls}
+
+    # --- trajectories ----------------------------------------------------------------------------
+
+    def export_from(
+        self,
+        proxy_url: str,
+        *,
+        max_trajectories: int | None = None,
+        session_ids: list[str] | None = None,
+        retries: int | None = None,
+    ) -> PulledBatch | None:
+        """One export request to one proxy; None when it has nothing ready."""
+        body = (
+            {"session_ids": session_ids}
+            if session_ids is not None
+            else {"max_trajectories": max_trajectories}
+        )
+        # Not repeatable: an answer lost after the proxy built the batch must not build a second one.
+        response = self._call("POST", f"{proxy_url}/v1/exports", repeatable=False, retries=retries, json=body)
+        self._checked(response, 201, 204)
+        if response.status_code == 204:
+            return None
+        return PulledBatch(proxy_url, response.headers["x-rolloutfleet-batch-id"], response.content)
+
+    def pull(
+        self, max_trajectories: int, *, timeout_s: float = 0.0, poll_interval_s: float = 0.5
+    ) -> list[PulledBatch]:
+        """Up to `max_trajectories` ready trajectories in total, from the proxies in turn (each asked
+        only for what is still missing, so nothing beyond the total is taken out of a proxy). Waits
+        up to `timeout_s` for more to become ready. A proxy that is unreachable or restarting is
+        skipped for this round."""
+        deadline = time.monotonic() + timeout_s
+        batches: list[PulledBatch] = []
+        missing = max_trajectories
+        while True:
+            start = self._next_proxy % len(self.proxy_urls)
+            self._next_proxy += 1
+            for url in self.proxy_urls[start:] + self.proxy_urls[:start]:
+                if missing <= 0:
+                    break
+                try:
+                    # No retries within a round: an unavailable proxy must not hold up the others.
+                    batch = self.export_from(url, max_trajectories=missing, retries=0)
+                except ProxyCallError as exc:
+                    if exc.status not in (None, 503):
+                        raise
+                    log.warning("skipping proxy %s this round: %s", url, exc)
+                    continue
+                if batch is not None:
+                    batches.append(batch)
+                    missing -= batch.num_trajectories
+            if missing <= 0 or time.monotonic() >= deadline:
+                return batches
+            time.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))
+
+    def fetch(self, proxy_url: str, batch_id: str) -> PulledBatch:
+        """A batch not acknowledged yet, again: the same bytes as when it was exported."""
+        response = self._checked(self._call("GET", f"{proxy_url}/v1/exports/{batch_id}"), 200)
+        return PulledBatch(proxy_url, batch_id, response.content)
+
+    def pending(self) -> list[PulledBatch]:
+        """Every batch the proxies hold unacknowledged (after a trainer restart or a lost answer)."""
+        batches = []
+        for url, listing in self._each(
+            lambda url: self._checked(self._call("GET", f"{url}/v1/exports"), 200).json()
+        ).items():
+            batches += [self.fetch(url, b["batch_id"]) for b in listing["batches"]]
+        return batches
+
+    def ack(self, batches: Iterable[PulledBatch]) -> dict[str, bool]:
+        """Acknowledge batches, so their proxies free them. Per batch id: True when this call
+        acknowledged it, False when it already was (by an earlier call or another trainer)."""
+        results = {}
+        for batch in batches:
+            response = self._call("POST", f"{batch.proxy_url}/v1/exports/{batch.batch_id}/ack")
+            if response.status_code == 410 and _error_of(response)[0] == ALREADY_ACKNOWLEDGED:
+                results[batch.batch_id] = False
+                continue
+            self._checked(response, 200)
+            results[batch.batch_id] = True
+        return results
+
+    # --- model version and pause -----------------------------------------------------------------
+
+    def set_model_version(self, version: int) -> dict[str, Any]:
+        """Publish the model version to every proxy; per URL, the proxy's answer."""
+        return self._each(
+            lambda url: self._checked(
+                self._call("PUT", f"{url}/v1/generation/model_version", json={"model_version": version}), 200
+            ).json()
+        )
+
+    def pause(self, wait_s: float = 0.0) -> dict[str, Any]:
+        """Pause generation everywhere; with `wait_s`, each proxy answers once its generating turns
+        finished (`generating_turns` 0) or `wait_s` passed."""
+        return self._each(
+            lambda url: self._checked(
+                self._call("POST", f"{url}/v1/generation/pause", params={"wait_s": wait_s}), 200
+            ).json()
+        )
+
+    def resume(self) -> dict[str, Any]:
+        return self._each(
+            lambda url: self._checked(self._call("POST", f"{url}/v1/generation/resume"), 200).json()
+        )
+
+
+def to_torch(
+    batches: Sequence[PulledBatch], *, pad_token_id: int = 0, device: str | None = None
+) -> dict[str, torch.Tensor]:
+    """All trajectories of `batches` as right-padded tensors, in batch order:
+
+    input_ids [B, T] int64 (padded with `pad_token_id`), attention_mask [B, T] bool, loss_mask
+    [B, T] bool, logprobs [B, T] float32, versions [B, T] int64 (-1 on prompt tokens and padding),
+    rewards [B] float32 (NaN where no session reward was set), seq_lens [B] int64.
+    Per-trajectory ids and metadata: `PulledBatch.trajectories()`, in the same order.
+    """
+    import torch  # lazily: the proxy process never imports this module, but keep it torch-free anyway
+
+    decoded = [b.decoded for b in batches]
+    lengths = np.concatenate([np.diff(d.tensors["cu_seqlens"]) for d in decoded]) if decoded else np.zeros(0)
+    rows, width = len(lengths), int(lengths.max()) if len(lengths) else 0
+    out = {
+        "input_ids": np.full((rows, width), pad_token_id, np.int64),
+        "attention_mask": np.zeros((rows, width), np.bool_),
+        "loss_mask": np.zeros((rows, width), np.bool_),
+        "logprobs": np.zeros((rows, width), np.float32),
+        "versions": np.full((rows, width), -1, np.int64),
+    }
+    row = 0
+    for d in decoded:
+        t, cu = d.tensors, d.tensors["cu_seqlens"]
+        for i in range(d.num_trajectories):
+            start, end = int(cu[i]), int(cu[i + 1])
+            n = end - start
+            out["input_ids"][row, :n] = t["input_ids"][start:end]
+            out["attention_mask"][row, :n] = True
+            out["loss_mask"][row, :n] = t["loss_mask"][start:end].astype(bool)
+            out["logprobs"][row, :n] = t["logprobs"][start:end]
+            out["versions"][row, :n] = t["versions"][start:end]
+            row += 1
+    tensors = {name: torch.from_numpy(array) for name, array in out.items()}
+    tensors["rewards"] = torch.from_numpy(
+        np.concatenate([d.tensors["rewards"] for d in decoded]) if decoded else np.zeros(0, np.float32)
+    )
+    tensors["seq_lens"] = torch.from_numpy(lengths.astype(np.int64))
+    if device is not None:
+        tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
+    return tensors
+
+
+__all__ = ["FleetClient", "ProxyCallError", "PulledBatch", "to_torch"]

@@ -1,0 +1,120 @@
+"""The trainer-side client against two real proxies: pull across the fleet, torch tensors, ack, versions."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+import torch
+from proxy_harness import ADMIN_KEY, play_session, running_proxy
+from rolloutfleet_proxy.trainer_client import FleetClient, ProxyCallError, to_torch
+from rolloutfleet_testkit.processes import free_port, serve_app
+from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
+
+
+@pytest.fixture(scope="module")
+def upstream_url():
+    with serve_app(create_stub_app(latency_s=0.0, output_tokens=4)) as url:
+        yield url
+
+
+@pytest.fixture
+def fleet(upstream_url, test_tokenizer_dir, tmp_path):
+    with (
+        running_proxy(upstream_url, test_tokenizer_dir, tmp_path / "p0") as p0,
+        running_proxy(upstream_url, test_tokenizer_dir, tmp_path / "p1") as p1,
+    ):
+        yield [p0, p1]
+
+
+def test_pull_across_the_fleet_to_torch_and_ack(fleet):
+    p0, p1 = fleet
+    expected = {}
+    for proxy, turns in ((p0, 1), (p0, 2), (p1, 1), (p1, 3), (p1, 1)):
+        sid, key = play_session(proxy, turns=turns, reward=float(turns))
+        expected[sid] = proxy.get(sid, key).json()["trajectory"]
+    with FleetClient([p0.url, p1.url + "/"], ADMIN_KEY) as client:
+        client.set_model_version(1)
+        batches = client.pull(4)
+        assert sum(b.num_trajectories for b in batches) == 4  # never more than asked for
+        assert {b.proxy_url for b in batches} == {p0.url, p1.url}
+        tensors = to_torch(batches, pad_token_id=-7)
+        infos = [info for b in batches for info in b.trajectories()]
+        assert tensors["input_ids"].shape == tensors["attention_mask"].shape == tensors["versions"].shape
+        assert tensors["input_ids"].dtype == torch.int64 and tensors["attention_mask"].dtype == torch.bool
+        assert tensors["rewards"].shape == (4,) and tensors["seq_lens"].tolist() == [
+            i["num_tokens"] for i in infos
+        ]
+        for row, info in enumerate(infos):
+            want = expected[info["session_id"]]
+            n = len(want["input_ids"])
+            assert tensors["input_ids"][row, :n].tolist() == want["input_ids"]
+            assert (tensors["input_ids"][row, n:] == -7).all()
+            assert tensors["attention_mask"][row].sum().item() == n
+            assert tensors["loss_mask"][row, :n].tolist() == [bool(m) for m in want["loss_mask"]]
+            assert tensors["logprobs"][row, :n].tolist() == pytest.approx(want["logprobs"])
+            assert tensors["versions"][row].tolist() == [0 if m else -1 for m in want["loss_mask"]] + [-1] * (
+                tensors["versions"].shape[1] - n
+            )
+            assert tensors["rewards"][row].item() == info["reward"] == len(want["turns"])
+        assert client.ack(batches) == {b.batch_id: True for b in batches}
+        assert client.ack(batches[:1]) == {batches[0].batch_id: False}  # idempotent: already acknowledged
+        assert all(p.stats()["export_bytes"] == 0 for p in fleet)
+        rest = client.pull(10)
+        assert sum(b.num_trajectories for b in rest) == 1 and client.pull(10) == []
+        client.ack(rest)
+
+
+def test_pull_waits_for_trajectories_and_pending_recovers_unacked(fleet):
+    p0, p1 = fleet
+    sid, key = play_session(p1, finish=False)
+    timer = threading.Timer(
+        0.3,
+        lambda: httpx.post(f"{p1.url}/v1/sessions/{sid}/finish", headers={"Authorization": f"Bearer {key}"}),
+    )
+    timer.start()
+    with FleetClient([p0.url, p1.url], ADMIN_KEY) as client:
+        assert client.pull(1) == []  # nothing ready yet, no wait asked for
+        (batch,) = client.pull(1, timeout_s=10, poll_interval_s=0.05)
+        timer.join()
+        assert batch.proxy_url == p1.url and batch.trajectories()[0]["session_id"] == sid
+        # A trainer that lost its batches (restart) finds what is still unacknowledged.
+        (again,) = client.pending()
+        assert again.batch_id == batch.batch_id and again.data == batch.data
+        assert client.ack([again]) == {batch.batch_id: True}
+        assert client.pending() == []
+
+
+def test_fleet_version_and_pause(fleet):
+    with FleetClient([p.url for p in fleet], ADMIN_KEY) as client:
+        answers = client.set_model_version(12)
+        assert {url: a["model_version"] for url, a in answers.items()} == {p.url: 12 for p in fleet}
+        assert all(a["paused"] and a["generating_turns"] == 0 for a in client.pause(wait_s=1).values())
+        assert all(p.stats()["generation_paused"] for p in fleet)
+        assert not any(a["paused"] for a in client.resume().values())
+
+
+def test_errors_are_raised_not_swallowed(fleet):
+    with FleetClient([fleet[0].url], "wrong-key", retries=0) as client, pytest.raises(ProxyCallError) as err:
+        client.pull(1)
+    assert err.value.status == 401 and err.value.code == "unauthorized"
+    dead = f"http://127.0.0.1:{free_port()}"
+    with FleetClient([dead, fleet[0].url], ADMIN_KEY, retries=0) as client:
+        play_session(fleet[0])
+        (batch,) = client.pull(5)  # an unreachable proxy is skipped, the others still serve
+        with pytest.raises(ProxyCallError, match="unreachable"):
+            client.set_model_version(1)
+        client.ack([batch])
+
+
+def test_proxy_server_imports_neither_torch_nor_the_client():
+    code = (
+        "import sys, rolloutfleet_proxy.main, rolloutfleet_proxy.app; "
+        "print('torch' in sys.modules, 'rolloutfleet_proxy.trainer_client' in sys.modules); "
+        "import rolloutfleet_proxy.trainer_client; print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False", "False"]
