@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from openai import OpenAI
-from proxy_harness import ADMIN, chat_body, running_proxy
+from proxy_harness import ADMIN, ADMIN_KEY, chat_body, running_proxy
 from rolloutfleet_proxy.dumps import STALE_AREA, load_session_file
 from rolloutfleet_testkit.processes import (
     ServerProcess,
@@ -463,3 +463,16 @@ def test_logprob_values_are_finite(proxy):
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "z"}], max_tokens=6)
     logprobs = proxy.get(sid, key).json()["trajectory"]["logprobs"]
     assert all(math.isfinite(x) and x <= 0 for x in logprobs)
+
+
+def test_settings_route_reports_what_the_proxy_runs_with_and_never_the_admin_key(proxy, engine_url):
+    response = httpx.get(f"{proxy.url}/v1/settings", headers=ADMIN)
+    assert response.status_code == 200
+    settings = response.json()
+    assert settings["upstream_url"] == engine_url and settings["dump_dir"] == str(proxy.dump_dir)
+    assert settings["stale_session_timeout_s"] == proxy.runtime.settings.stale_session_timeout_s
+    assert "admin_key" not in settings and ADMIN_KEY not in response.text
+    _, session_key = proxy.create_session()
+    for headers in ({}, {"Authorization": f"Bearer {session_key}"}):
+        refused = httpx.get(f"{proxy.url}/v1/settings", headers=headers)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"

@@ -35,7 +35,7 @@ from .openai_format import (
 )
 from .runtime import ProxyRuntime
 from .session import Session
-from .settings import ProxySettings
+from .settings import ProxySettings, effective_settings
 from .stats import StatsCollector
 from .trainer_routes import add_trainer_routes
 
@@ -181,6 +181,11 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         limit = max(1, min(limit, 10000))
         sessions = [s.summary() for _, s in zip(range(limit), runtime.store, strict=False)]
         return json_response({"total": len(runtime.store), "sessions": sessions})
+
+    @app.get("/v1/settings")
+    async def running_settings(request: Request) -> Response:
+        require_admin(request)
+        return json_response(effective_settings(settings))
 
     @app.get("/v1/sessions/{session_id}")
     async def get_session(session_id: str, request: Request, tokens: bool = False) -> Response:

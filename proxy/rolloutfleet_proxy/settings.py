@@ -107,6 +107,12 @@ def env_var_name(field: str) -> str:
 ENV: dict[str, str] = {field: env_var_name(field) for field in ProxySettings.model_fields}
 
 
+def effective_settings(settings: ProxySettings) -> dict[str, object]:
+    """The settings the process runs with, as JSON values, the admin key left out: lets an operator
+    (or a person) check that what it injected is what the proxy uses."""
+    return settings.model_dump(mode="json", exclude={"admin_key"})
+
+
 def load_settings(argv: list[str] | None = None) -> ProxySettings:
     """Settings from CLI arguments (if given) and the environment."""
     if argv is None:
