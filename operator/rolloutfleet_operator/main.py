@@ -8,10 +8,13 @@ import logging
 import sys
 import time
 
+import aiohttp
 import kopf
 
 from . import metrics
-from .kubeapi import KubeApi, load_configuration
+from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER, parse_fleet
+from .kubeapi import KubeApi, load_configuration, resource_path
+from .memory_watchdog import FleetWatchdog, run_forever
 from .reconcile import Reconciler
 
 GROUP, VERSION, PLURAL = "rolloutfleet.dev", "v1alpha1", "rolloutfleets"
@@ -19,6 +22,8 @@ RESYNC_SECONDS = 10.0
 log = logging.getLogger("rolloutfleet.operator")
 
 _reconciler: Reconciler | None = None
+# Watching listed namespaces only: kopf need not (and, least-privileged, cannot) list namespaces.
+_static_namespaces = False
 
 
 @kopf.on.startup()
@@ -30,7 +35,13 @@ async def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix="rolloutfleet.dev")
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 60
+    # Without this, kopf spends ~1 minute of retries on a namespace list it is not allowed.
+    settings.scanning.disabled = _static_namespaces
     _reconciler = Reconciler(KubeApi(await asyncio.to_thread(load_configuration, None)))
+
+
+def _post_event(obj, type: str, reason: str, message: str) -> None:
+    kopf.event(obj, type=type, reason=reason, message=message)
 
 
 async def _pass(body: kopf.Body, logger: kopf.Logger) -> None:
@@ -67,6 +78,50 @@ async def resync(body: kopf.Body, logger: kopf.Logger, **_) -> None:
     await _pass(body, logger)
 
 
+@kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER, COMPONENT_LABEL: "proxy"})
+async def on_proxy_pod_event(event: dict, body: kopf.Body, logger: kopf.Logger, **_) -> None:
+    """A proxy pod that is gone or failed is replaced now, not at the next periodic pass (the
+    memory watchdog's restarts are measured from breach to replacement Ready)."""
+    phase = (body.get("status") or {}).get("phase")
+    if event.get("type") != "DELETED" and phase != "Failed":
+        return
+    assert _reconciler is not None
+    namespace, fleet_name = (
+        body["metadata"]["namespace"],
+        (body["metadata"].get("labels") or {}).get(FLEET_LABEL),
+    )
+    if not fleet_name:
+        return
+    path = resource_path(f"{GROUP}/{VERSION}", "RolloutFleet", namespace, fleet_name)
+    fleet = await asyncio.to_thread(_reconciler.api.get, path)
+    if fleet is not None and not fleet["metadata"].get("deletionTimestamp"):
+        await _pass(kopf.Body(fleet), logger)
+
+
+@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
+async def memory_watchdog(body: kopf.Body, stopped: kopf.DaemonStopped, logger: kopf.Logger, **_) -> None:
+    """The fleet's memory watchdog, for as long as the fleet exists (body is kopf's live view, so
+    spec changes to the budget or interval apply from the next cycle)."""
+    assert _reconciler is not None
+    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(timeout=timeout) as http:
+        fleet_watchdog = FleetWatchdog(
+            _reconciler.api, http, _post_event, _reconciler.lock_for(namespace, name)
+        )
+
+        async def cycle() -> float:
+            fleet = parse_fleet(dict(body))
+            await fleet_watchdog.cycle(fleet)
+            return float(fleet.proxy.memory.check_interval_s)
+
+        async def is_stopped(delay: float) -> bool:
+            await stopped.wait(delay)
+            return bool(stopped)
+
+        await run_forever(cycle, is_stopped)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rolloutfleet-operator", description=__doc__)
     parser.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable)")
@@ -85,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
+    global _static_namespaces
+    _static_namespaces = not args.all_namespaces
     port = metrics.serve(args.metrics_port, args.bind_address)
     log.info("serving /metrics on %s:%d", args.bind_address, port)
     kopf.run(

@@ -45,12 +45,22 @@ class PassResult:
 class Reconciler:
     def __init__(self, api: KubeApi):
         self.api = api
+        self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+
+    def lock_for(self, namespace: str, name: str) -> asyncio.Lock:
+        """One pass or status write per fleet at a time: kopf runs the fleet's handlers, its timer,
+        pod-triggered passes and the memory watchdog concurrently."""
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
 
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def reconcile(self, body: dict[str, Any]) -> PassResult:
         fleet = parse_fleet(body)
+        async with self.lock_for(fleet.namespace, fleet.name):
+            return await self._reconcile(fleet, body)
+
+    async def _reconcile(self, fleet: Fleet, body: dict[str, Any]) -> PassResult:
         result = PassResult()
         for manifest in desired_children(fleet):
             child = f"{manifest['kind']}/{manifest['metadata']['name']}"
@@ -71,15 +81,16 @@ class Reconciler:
             ("updated", sum(1 for v in observed.proxies if v.template_hash == observed.current_hash)),
         ):
             metrics.FLEET_PROXIES.labels(fleet.namespace, fleet.name, state).set(count)
-        status = fleet_status(
-            fleet, observed, now_rfc3339(), (body.get("status") or {}).get("conditions") or []
-        )
-        if _status_differs(body.get("status") or {}, status):
-            path = (
-                resource_path("rolloutfleet.dev/v1alpha1", "RolloutFleet", fleet.namespace, fleet.name)
-                + "/status"
-            )
-            await self._call(self.api.patch, path, {"status": status})
+        # The status as stored now, not as in `body`: the memory watchdog may have set its
+        # condition since, and the conditions list is written whole.
+        path = resource_path("rolloutfleet.dev/v1alpha1", "RolloutFleet", fleet.namespace, fleet.name)
+        current = await self._call(self.api.get, path)
+        if current is None:
+            return result  # deleted meanwhile: its children go with it
+        previous = current.get("status") or {}
+        status = fleet_status(fleet, observed, now_rfc3339(), previous.get("conditions") or [])
+        if _status_differs(previous, status):
+            await self._call(self.api.patch, path + "/status", {"status": status})
             result.status_changed = True
         return result
 

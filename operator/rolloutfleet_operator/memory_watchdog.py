@@ -1,0 +1,254 @@
+"""One fleet's memory watchdog: each cycle polls the proxies' /stats, decides (watchdog.py, pure) and
+acts: graceful deletion of over-budget proxies, Events, metrics and the fleet's status.
+
+API requests per cycle, whatever the fleet's size: one list of the fleet's proxy pods, one read of
+the fleet, at most one status patch (only when something changed), plus one delete per restart.
+Polls go straight to pod IPs, bounded in concurrency and time (stats_poll.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+
+from . import metrics, watchdog
+from .fleet import Fleet, proxy_ordinal, selector_string
+from .kubeapi import KubeApi, resource_path
+from .plan import ProxyPodView, proxy_pod_view
+from .reconcile import now_rfc3339 as _now_rfc3339
+from .stats_poll import poll_stats, stats_url
+
+log = logging.getLogger("rolloutfleet.watchdog")
+
+POLL_CONCURRENCY = 16
+MAX_POLL_TIMEOUT_S = 5.0
+
+
+class EventSink(Protocol):
+    def __call__(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
+
+
+@dataclass
+class CycleReport:
+    """What one cycle did (for logs and tests)."""
+
+    polled: int = 0
+    decision: watchdog.Decision | None = None
+    restarted: list[str] = field(default_factory=list)
+    status_written: bool = False
+
+
+def poll_timeout(check_interval_s: float) -> float:
+    """A poll never outlasts the cycle: at most half the interval, and 5 s."""
+    return max(0.5, min(MAX_POLL_TIMEOUT_S, check_interval_s / 2))
+
+
+def poll_targets(
+    pods: list[dict[str, Any]], views: dict[str, ProxyPodView], port: int
+) -> list[tuple[str, str]]:
+    """(name, /stats URL) of the proxies worth polling: Ready, not terminating, with an IP."""
+    targets = []
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        view = views.get(name)
+        ip = (pod.get("status") or {}).get("podIP")
+        if view is not None and view.ready and not view.deleting and ip:
+            targets.append((name, stats_url(ip, port)))
+    return targets
+
+
+class FleetWatchdog:
+    """Kept per fleet for the operator's lifetime: the decision state lives here between cycles."""
+
+    def __init__(
+        self,
+        api: KubeApi,
+        http: aiohttp.ClientSession,
+        post_event: EventSink,
+        status_lock: asyncio.Lock,
+        clock: Callable[[], float] = time.monotonic,
+        now_rfc3339: Callable[[], str] | None = None,
+    ):
+        self.api = api
+        self.http = http
+        self.post_event = post_event
+        self.status_lock = status_lock  # shared with the reconciler: one status writer at a time
+        self.state = watchdog.FleetMemoryState({})
+        self._clock = clock
+        self._now_rfc3339 = now_rfc3339 or _now_rfc3339
+        self._seeded = False
+        self._holds: dict[str, str] = {}  # pod -> last hold reason reported (Events on change only)
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+    async def cycle(self, fleet: Fleet) -> CycleReport:
+        spec = fleet.proxy.memory
+        report = CycleReport()
+        pods: list[dict[str, Any]] = []
+        samples: dict[str, watchdog.Sample] = {}
+        if spec.enabled:  # off: no list and no polls, only the condition saying so
+            pods = await self._call(
+                self.api.list, "v1", "Pod", fleet.namespace, selector_string(fleet, "proxy")
+            )
+        by_name = {pod["metadata"]["name"]: pod for pod in pods}
+        views = {}
+        for name, pod in by_name.items():
+            ordinal = proxy_ordinal(fleet, name)
+            if ordinal is not None:
+                views[name] = proxy_pod_view(pod, ordinal)
+        if spec.enabled:
+            targets = poll_targets(pods, views, fleet.proxy.port)
+            report.polled = len(targets)
+            samples = await poll_stats(
+                targets,
+                timeout_s=poll_timeout(spec.check_interval_s),
+                concurrency=POLL_CONCURRENCY,
+                session=self.http,
+            )
+        self._record_samples(fleet, samples)
+        now = self._clock()
+        if not self._seeded:
+            previous = await self._call(self.api.get, _fleet_path(fleet))
+            memory_restarts = ((previous or {}).get("status") or {}).get("memoryRestarts")
+            self.state = watchdog.seed_from_status(
+                self.state, memory_restarts, now=now, wall_now=time.time(), spec=spec
+            )
+            self._seeded = True
+        self.state = watchdog.observe(self.state, samples, now, spec)
+        wanted = {f"{fleet.name}-proxy-{i}" for i in range(fleet.proxy.replicas)}
+        self.state = watchdog.retain(self.state, wanted)
+        decision = watchdog.decide(self.state, list(views.values()), now, spec, desired=fleet.proxy.replicas)
+        report.decision = decision
+        restarts = []
+        for restart in decision.restart:
+            if await self._restart(fleet, by_name[restart.pod], restart):
+                self.state = watchdog.record_restart(self.state, restart.pod, restart.rss_bytes, now, spec)
+                restarts.append((restart, self._now_rfc3339()))
+                report.restarted.append(restart.pod)
+        self._report_holds(fleet, by_name, decision, now)
+        report.status_written = await self._write_status(fleet, decision, restarts)
+        return report
+
+    def _record_samples(self, fleet: Fleet, samples: Mapping[str, watchdog.Sample]) -> None:
+        for pod, sample in samples.items():
+            if isinstance(sample, watchdog.RssSample):
+                metrics.PROXY_RSS.labels(fleet.namespace, fleet.name, pod).set(sample.rss_bytes)
+            elif isinstance(sample, watchdog.PollFailure):
+                metrics.POLL_FAILURES.labels(fleet.namespace, fleet.name, reason_label(sample.reason)).inc()
+
+    async def _restart(self, fleet: Fleet, pod: dict[str, Any], restart: watchdog.Restart) -> bool:
+        """Graceful deletion with the pod's own grace period; the uid precondition makes sure a
+        replacement that took the name in between is never the one deleted."""
+        meta = pod["metadata"]
+        path = resource_path("v1", "Pod", fleet.namespace, meta["name"])
+        body = {"preconditions": {"uid": meta["uid"]}}
+        try:
+            deleted = await self._call(self.api.delete, path, body)
+        except Exception as exc:  # a refused delete is reported and retried next cycle
+            log.warning("fleet %s/%s: deleting %s failed: %s", fleet.namespace, fleet.name, meta["name"], exc)
+            return False
+        if not deleted:
+            return False
+        message = watchdog.restart_message(restart, fleet.proxy.memory)
+        log.info("fleet %s/%s: %s", fleet.namespace, fleet.name, message)
+        self.post_event(_fleet_ref(fleet), "Warning", "MemoryRestart", message)
+        self.post_event(_as_pod(pod), "Warning", "MemoryRestart", message)
+        metrics.MEMORY_RESTARTS.labels(fleet.namespace, fleet.name, "OverBudget").inc()
+        metrics.PROXIES_DELETED.labels(fleet.namespace, fleet.name, "MemoryBudget").inc()
+        return True
+
+    def _report_holds(
+        self, fleet: Fleet, pods: Mapping[str, dict[str, Any]], decision: watchdog.Decision, now: float
+    ) -> None:
+        """An Event when a proxy's hold reason changes (not every cycle of a long backoff)."""
+        current = {hold.pod: hold for hold in decision.held}
+        for pod, hold in current.items():
+            if self._holds.get(pod) != hold.reason:
+                message = watchdog.hold_message(hold, fleet.proxy.memory, now)
+                reason = (
+                    "MemoryRestartDryRun"
+                    if hold.reason == watchdog.DRY_RUN
+                    else f"MemoryRestart{hold.reason}"
+                )
+                kind = "Normal" if hold.reason == watchdog.DRY_RUN else "Warning"
+                self.post_event(_fleet_ref(fleet), kind, reason, message)
+                if pod in pods:
+                    self.post_event(_as_pod(pods[pod]), "Warning", reason, message)
+                if hold.reason == watchdog.DRY_RUN:
+                    metrics.MEMORY_RESTARTS.labels(fleet.namespace, fleet.name, "DryRun").inc()
+        self._holds = {pod: hold.reason for pod, hold in current.items()}
+
+    async def _write_status(
+        self, fleet: Fleet, decision: watchdog.Decision, restarts: list[tuple[watchdog.Restart, str]]
+    ) -> bool:
+        async with self.status_lock:
+            current = await self._call(self.api.get, _fleet_path(fleet))
+            if current is None:
+                return False
+            status = current.get("status") or {}
+            update: dict[str, Any] = {}
+            conditions = watchdog.with_memory_condition(
+                status.get("conditions") or [], decision, self._now_rfc3339(), fleet.generation
+            )
+            if conditions != (status.get("conditions") or []):
+                update["conditions"] = conditions
+            memory_restarts = status.get("memoryRestarts")
+            for restart, stamp in restarts:
+                memory_restarts = watchdog.memory_restarts_status(memory_restarts, restart, stamp)
+            if memory_restarts != status.get("memoryRestarts"):
+                update["memoryRestarts"] = memory_restarts
+            if not update:
+                return False
+            await self._call(self.api.patch, _fleet_path(fleet) + "/status", {"status": update})
+            return True
+
+
+async def run_forever(
+    cycle: Callable[[], Awaitable[float]], stopped: Callable[[float], Awaitable[bool]]
+) -> None:
+    """Run `cycle` (which returns the seconds until the next one) until `stopped(delay)` says so;
+    an exception in one cycle is logged and the next one still runs."""
+    delay = 0.0
+    while not await stopped(delay):
+        try:
+            delay = await cycle()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("memory watchdog cycle failed")
+            delay = 5.0
+
+
+def _fleet_path(fleet: Fleet) -> str:
+    return resource_path("rolloutfleet.dev/v1alpha1", "RolloutFleet", fleet.namespace, fleet.name)
+
+
+def _as_pod(pod: dict[str, Any]) -> dict[str, Any]:
+    """List items come without apiVersion and kind; an Event's involvedObject needs them."""
+    return {"apiVersion": "v1", "kind": "Pod", **pod}
+
+
+def _fleet_ref(fleet: Fleet) -> dict[str, Any]:
+    return {
+        "apiVersion": "rolloutfleet.dev/v1alpha1",
+        "kind": "RolloutFleet",
+        "metadata": {"name": fleet.name, "namespace": fleet.namespace, "uid": fleet.uid},
+    }
+
+
+def reason_label(reason: str) -> str:
+    """A metric label with few values from a poll failure's reason (stats_poll.py words them)."""
+    if reason.startswith("no answer"):
+        return "timeout"
+    if reason.startswith("HTTP "):
+        return "http_" + reason.split()[1]
+    if reason.startswith("answer"):
+        return "bad_answer"
+    return "connection"
