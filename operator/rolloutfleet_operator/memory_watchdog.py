@@ -36,7 +36,7 @@ class EventSink(Protocol):
 
 @dataclass
 class CycleReport:
-    """What one cycle did (for logs and tests)."""
+    """What one cycle did (for logs, tests and the benchmark)."""
 
     polled: int = 0
     decision: watchdog.Decision | None = None
@@ -84,11 +84,21 @@ class FleetWatchdog:
         self._now_rfc3339 = now_rfc3339 or _now_rfc3339
         self._seeded = False
         self._holds: dict[str, str] = {}  # pod -> last hold reason reported (Events on change only)
+        self._requests = 0  # API requests in the current cycle
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        self._requests += 1
         return await asyncio.to_thread(fn, *args)
 
     async def cycle(self, fleet: Fleet) -> CycleReport:
+        self._requests = 0
+        try:
+            return await self._cycle(fleet)
+        finally:
+            metrics.WATCHDOG_CYCLES.labels(fleet.namespace, fleet.name).inc()
+            metrics.WATCHDOG_API_REQUESTS.labels(fleet.namespace, fleet.name).inc(self._requests)
+
+    async def _cycle(self, fleet: Fleet) -> CycleReport:
         spec = fleet.proxy.memory
         report = CycleReport()
         pods: list[dict[str, Any]] = []
@@ -106,6 +116,7 @@ class FleetWatchdog:
         if spec.enabled:
             targets = poll_targets(pods, views, fleet.proxy.port)
             report.polled = len(targets)
+            metrics.WATCHDOG_POLLS.labels(fleet.namespace, fleet.name).inc(len(targets))
             samples = await poll_stats(
                 targets,
                 timeout_s=poll_timeout(spec.check_interval_s),

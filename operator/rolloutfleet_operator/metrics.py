@@ -46,6 +46,16 @@ POLL_FAILURES = Counter(
     (*FLEET, "reason"),
 )
 
+WATCHDOG_CYCLES = Counter("rolloutfleet_operator_watchdog_cycles_total", "Memory watchdog cycles run", FLEET)
+WATCHDOG_API_REQUESTS = Counter(
+    "rolloutfleet_operator_watchdog_api_requests_total",
+    "Kubernetes API requests made by the memory watchdog (per cycle: divide by the cycles)",
+    FLEET,
+)
+WATCHDOG_POLLS = Counter(
+    "rolloutfleet_operator_watchdog_polls_total", "Proxy /stats polls made by the memory watchdog", FLEET
+)
+
 
 def serve(port: int, address: str) -> int:
     """Start the /metrics server in a thread; returns the bound port (port 0 picks a free one)."""
