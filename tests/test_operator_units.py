@@ -135,6 +135,10 @@ def test_parse_reads_metadata_and_the_gpu_sample():
         },
         {"proxy": {"tokenizer": {}}, "externalEngineUrls": ["http://e:1"]},
         {"externalEngineUrls": ["http://e:1"]},
+        {
+            "proxy": {"tokenizer": {"path": "/t"}, "admission": {"consumerBatchSize": 8}},
+            "externalEngineUrls": ["http://e:1"],
+        },
     ],
 )
 def test_parse_rejects_what_the_crd_rejects(spec):
@@ -512,8 +516,8 @@ def test_admin_key_secret():
 # --- the template hash ---------------------------------------------------------------------------
 
 
-def _mutated(path: str, value: Any) -> dict[str, Any]:
-    obj = sample("gpu")
+def _mutated(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    obj = sample("gpu") if base is None else base
     node = obj["spec"]
     *parents, last = path.split(".")
     for key in parents:
@@ -539,6 +543,9 @@ def _mutated(path: str, value: Any) -> dict[str, Any]:
         ("proxy.dump.persistentVolumeClaim", {"claimName": "other"}),
         ("proxy.env", [{"name": "X", "value": "1"}]),
         ("proxy.adminKeySecret", {"name": "s", "key": "k"}),
+        ("proxy.exportTtlSeconds", 60),
+        ("proxy.admission", {"maxStaleness": 2, "consumerBatchSize": 8}),
+        ("proxy.admission.maxConcurrentSessions", 4),
         ("gateway.port", 31000),
     ],
 )
@@ -553,6 +560,8 @@ def test_template_hash_changes_with_the_pod_template(path, value):
     [
         ("proxy.replicas", 7),
         ("proxy.memory", {"rssBudgetBytes": 1}),
+        ("proxy.memory.rssBudgetBytes", 2 * 2**30),
+        ("proxy.memory.refuseNewSessionsPercent", 50),
         ("gateway.replicas", 2),
         ("gateway.image", "router:2"),
         ("gateway.policy", "random"),
@@ -562,6 +571,39 @@ def test_template_hash_changes_with_the_pod_template(path, value):
 )
 def test_template_hash_ignores_what_is_not_in_the_pod(path, value):
     assert manifests.template_hash(parse_fleet(_mutated(path, value))) == manifests.template_hash(GPU)
+
+
+def test_scaling_changes_the_batch_share_of_new_pods_without_rolling_the_others():
+    admission = {"maxStaleness": 4, "consumerBatchSize": 10}
+    fleets = {
+        n: parse_fleet(_mutated("proxy.replicas", n, _mutated("proxy.admission", admission))) for n in (3, 4)
+    }
+    assert manifests.template_hash(fleets[3]) == manifests.template_hash(fleets[4])
+    for replicas, share in ((3, "4"), (4, "3")):  # ceil(10 / replicas): the fleet admits a whole batch
+        env = {e["name"]: e.get("value") for e in container(manifests.proxy_pod(fleets[replicas], 0))["env"]}
+        assert env[ENV["max_staleness"]] == "4" and env[ENV["staleness_batch_share"]] == share
+
+
+@pytest.mark.parametrize(
+    ("replicas", "batch", "share"), [(1, 1, 1), (4, 2, 1), (4, 8, 2), (3, 10, 4), (0, 5, 5)]
+)
+def test_batch_share_is_rounded_up_and_at_least_one(replicas, batch, share):
+    spec = {"maxStaleness": 0, "consumerBatchSize": batch}
+    assert parse_fleet(_mutated("proxy.admission", spec)).proxy.admission.batch_share(replicas) == share
+
+
+def test_memory_soft_limit_and_export_ttl_reach_the_proxy():
+    fleet = parse_fleet(
+        _mutated("proxy.exportTtlSeconds", 90, _mutated("proxy.memory.refuseNewSessionsPercent", 80))
+    )
+    env = {e["name"]: e.get("value") for e in container(manifests.proxy_pod(fleet, 0))["env"]}
+    assert env[ENV["rss_soft_limit_bytes"]] == str(6442450944 * 80 // 100)
+    assert env[ENV["export_ttl_s"]] == "90"
+    off = parse_fleet(_mutated("proxy.memory.refuseNewSessionsPercent", 0))
+    assert ENV["rss_soft_limit_bytes"] not in {
+        e["name"] for e in container(manifests.proxy_pod(off, 0))["env"]
+    }
+    assert ENV["max_staleness"] not in {e["name"] for e in container(manifests.proxy_pod(off, 0))["env"]}
 
 
 def test_template_hash_is_on_every_pod_and_independent_of_the_ordinal():

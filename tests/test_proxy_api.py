@@ -476,3 +476,26 @@ def test_settings_route_reports_what_the_proxy_runs_with_and_never_the_admin_key
     for headers in ({}, {"Authorization": f"Bearer {session_key}"}):
         refused = httpx.get(f"{proxy.url}/v1/settings", headers=headers)
         assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
+
+
+def test_new_sessions_are_refused_near_the_memory_budget_while_turns_go_on(
+    engine_url, test_tokenizer_dir, tmp_path
+):
+    with running_proxy(engine_url, test_tokenizer_dir, tmp_path / "dumps") as proxy:
+        sid, key = proxy.create_session()
+        # A soft limit just below what the process holds now: it is "near its budget".
+        proxy.runtime.settings.rss_soft_limit_bytes = proxy.stats()["rss_bytes"] // 2
+        refused = httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={})
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
+        assert refused.json()["error"]["code"] == "memory_pressure"
+        turn = httpx.post(
+            f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json=chat_body([{"role": "user", "content": "hi"}]),
+            timeout=60,
+        )
+        assert turn.status_code == 200, turn.text
+        stats = proxy.stats()
+        assert stats["totals"]["sessions_refused_memory"] == 1 and stats["live_sessions"] == 1
+        proxy.runtime.settings.rss_soft_limit_bytes = 0
+        assert httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={}).status_code == 201

@@ -51,6 +51,9 @@ DEFAULTS: dict[str, Any] = {
     "proxy.memory.cooldownSeconds": 300,
     "proxy.memory.maxCooldownSeconds": 3600,
     "proxy.memory.dryRun": False,
+    "proxy.memory.refuseNewSessionsPercent": 90,
+    "proxy.exportTtlSeconds": 600,
+    "proxy.admission.maxConcurrentSessions": 0,
     "gateway.image": "lmsysorg/sglang-router:latest",
     "gateway.replicas": 1,
     "gateway.port": 30080,
@@ -103,10 +106,32 @@ class MemorySpec:
     cooldown_s: int
     max_cooldown_s: int
     dry_run: bool
+    refuse_new_sessions_percent: int = 90
 
     @property
     def enabled(self) -> bool:
         return self.rss_budget_bytes > 0
+
+    @property
+    def soft_limit_bytes(self) -> int:
+        """RSS from which a proxy refuses new sessions (0: never)."""
+        if not self.enabled or self.refuse_new_sessions_percent <= 0:
+            return 0
+        return self.rss_budget_bytes * self.refuse_new_sessions_percent // 100
+
+
+@dataclass(frozen=True)
+class AdmissionSpec:
+    max_staleness: int | None
+    consumer_batch_size: int | None
+    max_concurrent_sessions: int
+
+    def batch_share(self, replicas: int) -> int | None:
+        """Each proxy's share of the consumer batch: rounded up, so the fleet admits at least a
+        whole batch per version, and at least 1."""
+        if self.consumer_batch_size is None:
+            return None
+        return max(1, -(-self.consumer_batch_size // max(replicas, 1)))
 
 
 @dataclass(frozen=True)
@@ -129,6 +154,8 @@ class ProxySpec:
     termination_grace_period_s: int
     dump: DumpSpec
     memory: MemorySpec
+    admission: AdmissionSpec
+    export_ttl_s: float
     env: tuple[dict[str, Any], ...]
     admin_key_secret: SecretKeyRef | None  # None: the operator generates `<fleet>-admin-key`
 
@@ -208,6 +235,22 @@ def _parse_memory(raw: Mapping[str, Any]) -> MemorySpec:
         cooldown_s=int(_get(raw, "cooldownSeconds", "proxy.memory.cooldownSeconds")),
         max_cooldown_s=int(_get(raw, "maxCooldownSeconds", "proxy.memory.maxCooldownSeconds")),
         dry_run=bool(_get(raw, "dryRun", "proxy.memory.dryRun")),
+        refuse_new_sessions_percent=int(
+            _get(raw, "refuseNewSessionsPercent", "proxy.memory.refuseNewSessionsPercent")
+        ),
+    )
+
+
+def _parse_admission(raw: Mapping[str, Any]) -> AdmissionSpec:
+    staleness, batch = raw.get("maxStaleness"), raw.get("consumerBatchSize")
+    if (staleness is None) != (batch is None):
+        raise ValueError("spec.proxy.admission.maxStaleness and consumerBatchSize go together")
+    return AdmissionSpec(
+        max_staleness=None if staleness is None else int(staleness),
+        consumer_batch_size=None if batch is None else int(batch),
+        max_concurrent_sessions=int(
+            _get(raw, "maxConcurrentSessions", "proxy.admission.maxConcurrentSessions")
+        ),
     )
 
 
@@ -234,6 +277,8 @@ def _parse_proxy(raw: Mapping[str, Any]) -> ProxySpec:
         ),
         dump=_parse_dump(raw.get("dump") or {}),
         memory=_parse_memory(raw.get("memory") or {}),
+        admission=_parse_admission(raw.get("admission") or {}),
+        export_ttl_s=_get(raw, "exportTtlSeconds", "proxy.exportTtlSeconds"),
         env=_copy_list(raw.get("env")),
         admin_key_secret=SecretKeyRef(admin["name"], admin["key"]) if admin else None,
     )

@@ -148,12 +148,34 @@ def _proxy_env(fleet: Fleet, pod_name: str, public_url: str) -> list[Manifest]:
         _env(ENV["dump_dir"], f"{proxy.dump.path.rstrip('/')}/{pod_name}"),
         _env(ENV["drain_grace_s"], proxy.drain_grace_s),
         _env(ENV["public_url"], public_url),
+        _env(ENV["export_ttl_s"], proxy.export_ttl_s),
+        *_runtime_tunable_env(fleet),
         {
             "name": ENV["admin_key"],
             "valueFrom": {"secretKeyRef": {"name": secret.name, "key": secret.key}},
         },
     ]
     return _with_overrides(copy.deepcopy(injected), proxy.env)
+
+
+# Settings that follow the fleet's scale or budget. They stay out of the template hash: changing
+# replicas or the RSS budget must not roll every proxy. A pod keeps the values it was created with
+# until it is replaced (admission and the soft limit are approximate for that while, not wrong).
+HASH_EXEMPT_ENV = frozenset({ENV["staleness_batch_share"], ENV["rss_soft_limit_bytes"]})
+
+
+def _runtime_tunable_env(fleet: Fleet) -> list[Manifest]:
+    proxy = fleet.proxy
+    admission = proxy.admission
+    env = []
+    if admission.max_staleness is not None:
+        env.append(_env(ENV["max_staleness"], admission.max_staleness))
+        env.append(_env(ENV["staleness_batch_share"], admission.batch_share(proxy.replicas)))
+    if admission.max_concurrent_sessions > 0:
+        env.append(_env(ENV["max_concurrent_sessions"], admission.max_concurrent_sessions))
+    if proxy.memory.soft_limit_bytes > 0:
+        env.append(_env(ENV["rss_soft_limit_bytes"], proxy.memory.soft_limit_bytes))
+    return env
 
 
 def _proxy_pod_body(fleet: Fleet, pod_name: str) -> Manifest:
@@ -228,9 +250,12 @@ def template_hash(fleet: Fleet) -> str:
 
     The pod is built for a placeholder name, so the name and the ordinal (and what is derived from
     them: hostname, dump subdirectory, public URL) do not enter; replicas and the memory watchdog's
-    settings are not part of the pod, so changing them does not roll the proxies.
+    settings are not part of the pod, so changing them does not roll the proxies; nor do the
+    settings derived from them (HASH_EXEMPT_ENV).
     """
     body = _proxy_pod_body(fleet, "$(POD_NAME)")
+    for container in body["spec"]["containers"]:
+        container["env"] = [e for e in container["env"] if e["name"] not in HASH_EXEMPT_ENV]
     canonical = json.dumps(
         {"labels": body["metadata"]["labels"], "spec": body["spec"]}, sort_keys=True, separators=(",", ":")
     )

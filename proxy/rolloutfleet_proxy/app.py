@@ -36,7 +36,7 @@ from .openai_format import (
 from .runtime import ProxyRuntime
 from .session import Session
 from .settings import ProxySettings, effective_settings
-from .stats import StatsCollector
+from .stats import StatsCollector, current_rss_bytes
 from .trainer_routes import add_trainer_routes
 
 
@@ -158,6 +158,11 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             raise bad_request("invalid_metadata", "metadata must be a JSON object")
         if metadata and len(orjson.dumps(metadata)) > settings.max_metadata_bytes:
             raise bad_request("invalid_metadata", f"metadata exceeds {settings.max_metadata_bytes} bytes")
+        if settings.rss_soft_limit_bytes and current_rss_bytes() >= settings.rss_soft_limit_bytes:
+            runtime.counters.sessions_refused_memory += 1
+            raise unavailable(
+                "memory_pressure", "this proxy is near its memory budget; start the session on another one", 5
+            )
         refuse_over_capacity()
         key = new_session_key()
         runtime.store.add(Session(session_id, key_digest(key), metadata))

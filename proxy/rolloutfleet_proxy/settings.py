@@ -85,6 +85,9 @@ class ProxySettings(BaseSettings):
     max_concurrent_sessions: int = Field(
         0, ge=0, description="Most running (created, unfinished) sessions admitted at once (0: unlimited)."
     )
+    rss_soft_limit_bytes: int = Field(
+        0, ge=0, description="RSS from which new sessions get 503, so load shifts to siblings (0: off)."
+    )
 
     @model_validator(mode="after")
     def _refuse_silent_data_loss(self) -> ProxySettings:

@@ -23,6 +23,7 @@ class Counters:
     turns_busy_rejected: int = 0
     turns_cancelled: int = 0
     sessions_created: int = 0
+    sessions_refused_memory: int = 0
     sessions_deleted: int = 0
     sessions_finished: int = 0
     sessions_dumped: int = 0
@@ -70,6 +71,13 @@ class Gauges:
 
 
 _process = psutil.Process(os.getpid())
+
+
+def current_rss_bytes() -> int:
+    """This process's resident set size (one /proc read, some microseconds)."""
+    return _process.memory_info().rss
+
+
 _started = time.time()
 
 

@@ -91,6 +91,13 @@ def test_samples_apply_cleanly_and_get_defaults(cluster, crd, namespace):
             "should be greater than or equal to 0",
         ),
         ({"proxy": {"tokenizer": {"path": "/t"}}, "externalEngineUrls": ["ftp://a"]}, "should match"),
+        (
+            {
+                "proxy": {"tokenizer": {"path": "/t"}, "admission": {"maxStaleness": 2}},
+                "externalEngineUrls": ["http://a"],
+            },
+            "maxStaleness and proxy.admission.consumerBatchSize go together",
+        ),
     ],
 )
 def test_invalid_fleets_are_rejected_with_a_clear_message(cluster, crd, namespace, spec, message):
