@@ -603,7 +603,10 @@ def test_memory_soft_limit_and_export_ttl_reach_the_proxy():
     assert ENV["rss_soft_limit_bytes"] not in {
         e["name"] for e in container(manifests.proxy_pod(off, 0))["env"]
     }
-    assert ENV["max_staleness"] not in {e["name"] for e in container(manifests.proxy_pod(off, 0))["env"]}
+    assert env[ENV["max_staleness"]] == "2" and env[ENV["max_concurrent_sessions"]] == "512"
+    unbounded = parse_fleet(_mutated("proxy.admission", {}))
+    names = {e["name"] for e in container(manifests.proxy_pod(unbounded, 0))["env"]}
+    assert not names & {ENV["max_staleness"], ENV["staleness_batch_share"], ENV["max_concurrent_sessions"]}
 
 
 def test_template_hash_is_on_every_pod_and_independent_of_the_ordinal():
