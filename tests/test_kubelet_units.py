@@ -463,6 +463,26 @@ def test_address_pool() -> None:
     pool.release(first)
     assert first not in pool.in_use()
     assert AddressPool().allocate() == "127.0.1.1"
+    block = AddressPool("127.5.0.1", "127.5.0.2")
+    assert [block.allocate(), block.allocate()] == ["127.5.0.1", "127.5.0.2"]
+    block.release("127.5.0.1")
+    assert block.allocate(preferred="127.0.9.9") == "127.5.0.1"  # outside the block: not honoured
+
+
+def test_concurrent_harnesses_claim_different_address_blocks(tmp_path) -> None:
+    from rolloutfleet_testkit.kubelet.addresses import AddressBlockLock
+
+    first, second = AddressBlockLock(tmp_path), AddressBlockLock(tmp_path)
+    assert (
+        (first.block, second.block) == (1, 2)
+        and first.first == "127.1.0.1"
+        and second.last == "127.2.255.254"
+    )
+    first.release()
+    third = AddressBlockLock(tmp_path)
+    assert third.block == 1  # released blocks are claimed again
+    second.release()
+    third.release()
 
 
 def test_container_mounts_sub_paths_and_order(tmp_path) -> None:

@@ -1,11 +1,13 @@
-"""The main job on the local cluster: control plane + process kubelet + a sample workload.
+"""The main job on the local cluster: the operator and the GPU sample fleet, end to end.
 
-Brings up the local control plane (building its binaries on first run, with progress), starts the
-process kubelet (a test harness running pods as local processes), deploys CPU reference engines
-(test stand-ins for SGLang) on the GPU node, the real SGLang router discovering them through the
-Kubernetes API, and a proxy in front of the router; sends sessions through the proxy with the
-official openai client, and prints `kubectl get` output and the proxy's /stats. Once the operator
-exists (issue #4) it will apply a RolloutFleet instead of the sample workload.
+Brings up the local control plane (building its binaries on first run, with progress) and the
+process kubelet (a test harness running pods as local processes on a CPU node and a GPU node),
+installs the CRD and the operator's Helm chart, and applies `operator/samples/gpu.yaml` adapted to
+this machine (fleet_setup.local_fleet: the CPU reference engine, a test stand-in for SGLang, runs
+for the engine image). Once the fleet is Ready it sends multi-turn sessions through its proxies
+with the official openai client, prints `kubectl get`, the fleet's conditions and Events, a
+proxy's /stats and the operator's /metrics; then it deletes a proxy pod and shows the replacement
+restoring a live session, and scales the fleet with `kubectl scale`. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -15,95 +17,325 @@ import json
 import os
 import subprocess
 import tempfile
+import textwrap
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from rolloutfleet_testkit import sample_workload as sample
+from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.controlplane.build import ensure_binaries
 from rolloutfleet_testkit.controlplane.cluster import down, up
-from rolloutfleet_testkit.demo import ADMIN_KEY, QUESTIONS, run_session, step
+from rolloutfleet_testkit.demo import QUESTIONS, run_session, step
 from rolloutfleet_testkit.kubelet import ProcessKubelet
 from rolloutfleet_testkit.processes import wait_until_routed
 from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
 
 NAMESPACE = "rolloutfleet-demo"
+RELEASE = "rolloutfleet"
+FLEET = "gpu-fleet"  # the sample's own name
+PROXIES, ENGINES, SCALED = 2, 2, 3
+READY_TIMEOUT_S = 420  # first start of torch engines on two shared cores
+REPAIR_TIMEOUT_S = 180
 
 
 class Kubectl:
     def __init__(self, binary: Path, kubeconfig: str):
         self.binary, self.kubeconfig = str(binary), kubeconfig
 
-    def __call__(self, *args: str, input: str | None = None) -> str:
+    def __call__(self, *args: str, input: str | None = None, check: bool = True) -> str:
         result = subprocess.run(
             [self.binary, "--kubeconfig", self.kubeconfig, *args],
             capture_output=True,
             text=True,
             input=input,
-            timeout=300,
+            timeout=120,
         )
-        if result.returncode != 0:
+        if check and result.returncode != 0:
             raise RuntimeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
-        return result.stdout
+        return result.stdout if result.returncode == 0 else ""
 
-    def apply(self, *manifests: dict) -> None:
-        self(
-            "apply",
-            "-f",
-            "-",
-            input=json.dumps({"apiVersion": "v1", "kind": "List", "items": list(manifests)}),
+    def json(self, *args: str, check: bool = True) -> dict[str, Any]:
+        out = self("get", *args, "-n", NAMESPACE, "-o", "json", check=check)
+        return json.loads(out) if out else {}
+
+
+class Clock:
+    """Progress lines with the time since the demo started."""
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+
+    def elapsed(self) -> str:
+        return f"{time.monotonic() - self.started:6.1f}s"
+
+    def step(self, message: str) -> None:
+        step(f"[{self.elapsed()}] {message}")
+
+
+def wait_until(clock: Clock, what: str, probe: Callable[[], tuple[Any, str]], timeout_s: float) -> Any:
+    """Poll `probe` (→ result when done else a falsy value, and a progress line) once a second,
+    printing the line whenever it changes; the result, or TimeoutError after `timeout_s`."""
+    deadline, last = time.monotonic() + timeout_s, None
+    while True:
+        done, line = probe()
+        if line != last:
+            print(f"    [{clock.elapsed()}] {line}", flush=True)
+            last = line
+        if done:
+            return done
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what} (last: {line})")
+        time.sleep(1)
+
+
+def fleet_status(kubectl: Kubectl) -> dict[str, Any]:
+    return kubectl.json("rf", FLEET).get("status", {})
+
+
+def status_line(status: dict[str, Any], replicas: int) -> str:
+    """readyReplicas and every condition's status; Progressing's reason, ReplicaFailure's message."""
+
+    def show(c: dict[str, Any]) -> str:
+        text = f"{c['type']}={c['status']}"
+        if c["type"] == "Progressing":
+            text += f" ({c.get('reason')})"
+        elif c["type"] == "ReplicaFailure" and c["status"] == "True":
+            text += f" ({c.get('message')})"
+        return text
+
+    conditions = ", ".join(show(c) for c in status.get("conditions", []))
+    return f"readyReplicas {status.get('readyReplicas', 0)}/{replicas}; {conditions or 'no status yet'}"
+
+
+def wait_fleet_ready(clock: Clock, kubectl: Kubectl, replicas: int, timeout_s: float) -> dict[str, Any]:
+    def probe() -> tuple[Any, str]:
+        status = fleet_status(kubectl)
+        return fleet_setup.fleet_ready(status, replicas) and status, status_line(status, replicas)
+
+    return wait_until(clock, f"{FLEET} Ready with {replicas} proxies", probe, timeout_s)
+
+
+def pod_urls(kubectl: Kubectl, component: str, port: int) -> dict[str, str]:
+    pods = kubectl.json("pods", "-l", fleet_setup.component_selector(FLEET, component))
+    return dict(sorted(fleet_setup.pod_urls(pods, port).items()))
+
+
+def install_operator(clock: Clock, kubectl: Kubectl, helm: Path) -> None:
+    clock.step("kubectl apply -f crds/ (the RolloutFleet CRD), waiting until it is Established")
+    print(kubectl("apply", "-f", str(fleet_setup.CRDS)).rstrip())
+    kubectl("wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s")
+    kubectl("create", "namespace", NAMESPACE)
+    clock.step(f"helm upgrade --install {RELEASE} charts/rolloutfleet-operator (watching {NAMESPACE})")
+    args = fleet_setup.helm_install_args(RELEASE, NAMESPACE, [NAMESPACE])
+    result = subprocess.run(
+        [str(helm), "--kubeconfig", kubectl.kubeconfig, *args], capture_output=True, text=True, timeout=240
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"helm install failed: {result.stderr.strip()}")
+    print(textwrap.indent("\n".join(result.stdout.strip().splitlines()[:6]), "    "))
+
+
+def apply_fleet(clock: Clock, kubectl: Kubectl, tokenizer_dir: Path, work: Path) -> dict[str, Any]:
+    fleet = fleet_setup.local_fleet(
+        FLEET, NAMESPACE, tokenizer_dir, work / "dumps", proxies=PROXIES, engines=ENGINES
+    )
+    clock.step(
+        f"applying operator/samples/gpu.yaml as {FLEET}: {PROXIES} proxies, the SGLang router, "
+        f"{ENGINES} engines on the GPU node; waiting for Ready"
+    )
+    print(kubectl("apply", "-f", "-", input=json.dumps(fleet)).rstrip())
+    status = wait_fleet_ready(clock, kubectl, PROXIES, READY_TIMEOUT_S)
+    clock.step("fleet Ready; waiting until the router has discovered an engine")
+    wait_until_routed(next(iter(pod_urls(kubectl, "gateway", fleet_setup.GATEWAY_PORT).values())))
+    return status
+
+
+def run_sessions(clock: Clock, urls: dict[str, str], key: str) -> None:
+    targets = [list(urls)[i % len(urls)] for i in range(len(QUESTIONS))]  # round robin
+    clock.step(f"{len(QUESTIONS)} multi-turn sessions with the openai client, spread over {', '.join(urls)}")
+
+    async def all_sessions() -> list[dict]:
+        sessions = (run_session(urls[targets[i]], q, i, admin_key=key) for i, q in enumerate(QUESTIONS))
+        return await asyncio.gather(*sessions)
+
+    for target, summary in zip(targets, asyncio.run(all_sessions()), strict=True):
+        print(
+            f"    {target}: session {summary['session_id']}: {summary['num_turns']} turns, "
+            f"{summary['num_tokens']} tokens, {sum(summary['trajectory']['loss_mask'])} generated, "
+            f"reward {summary['reward']}"
         )
+
+
+def conditions_table(status: dict[str, Any]) -> str:
+    rows = [("TYPE", "STATUS", "REASON", "MESSAGE")] + [
+        (c["type"], c["status"], c.get("reason", ""), textwrap.shorten(c.get("message", ""), 60))
+        for c in status.get("conditions", [])
+    ]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join(
+        "    " + "".join(cell.ljust(width + 2) for cell, width in zip(row[:3], widths, strict=True)) + row[3]
+        for row in rows
+    )
+
+
+def fleet_events(kubectl: Kubectl) -> list[dict[str, Any]]:
+    """The fleet's Events, oldest first."""
+    selector = f"involvedObject.kind=RolloutFleet,involvedObject.name={FLEET}"
+    items = kubectl.json("events", "--field-selector", selector)["items"]
+    return sorted(items, key=lambda e: (e["metadata"]["creationTimestamp"], e["metadata"]["name"]))
+
+
+def event_lines(events: list[dict[str, Any]]) -> str:
+    return "\n".join(
+        f"    {e['metadata']['creationTimestamp'][11:19]}  {e.get('type', ''):7} {e.get('reason', ''):10} "
+        f"{e.get('message', '')}"
+        for e in events
+    )
+
+
+def compact_stats(stats: dict[str, Any], width: int = 104) -> str:
+    """Top-level numbers as key=value, then each nested group's non-zero entries, wrapped."""
+
+    def wrap(text: str) -> str:
+        return textwrap.fill(text, width, initial_indent="    ", subsequent_indent="      ")
+
+    scalars = " ".join(f"{k}={v}" for k, v in stats.items() if not isinstance(v, dict))
+    groups = [
+        f"{name} (non-zero): " + " ".join(f"{k}={v}" for k, v in group.items() if v not in (0, None, False))
+        for name, group in stats.items()
+        if isinstance(group, dict)
+    ]
+    return "\n".join(wrap(line) for line in [scalars, *groups])
+
+
+def operator_metrics(kubectl: Kubectl, limit: int = 14) -> list[str]:
+    pods = kubectl.json("pods", "-l", fleet_setup.OPERATOR_LABEL)
+    url = next(iter(fleet_setup.pod_urls(pods, fleet_setup.OPERATOR_METRICS_PORT).values()))
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    lines = [
+        line
+        for line in text.splitlines()
+        if line.startswith("rolloutfleet_operator_") and "_bucket{" not in line and "_created{" not in line
+    ]
+    return [f"    ({url}/metrics)"] + [f"    {line}" for line in lines[:limit]]
+
+
+def show_fleet(clock: Clock, kubectl: Kubectl, urls: dict[str, str]) -> list[dict[str, Any]]:
+    """Prints the fleet's state; returns the Events shown."""
+    clock.step("kubectl get rf,pods -o wide")
+    print(kubectl("get", "rf,pods", "-n", NAMESPACE, "-o", "wide").rstrip())
+    clock.step(f"{FLEET}'s status conditions")
+    print(conditions_table(fleet_status(kubectl)))
+    clock.step(f"kubectl get events for {FLEET} (posted by the operator)")
+    events = fleet_events(kubectl)
+    print(event_lines(events))
+    name, url = next(iter(urls.items()))
+    clock.step(f"{name}'s /stats")
+    print(compact_stats(httpx.get(f"{url}/stats", timeout=10).json()))
+    clock.step("the operator's /metrics (rolloutfleet_operator_*, histogram buckets left out)")
+    print("\n".join(operator_metrics(kubectl)))
+    return events
+
+
+def pod_ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+
+
+def live_session(url: str, key: str) -> tuple[str, str, dict[str, Any]]:
+    """A live (unfinished) session with one turn on the proxy at `url`: id, key, recorded state."""
+    sid, session_key = fleet_setup.create_session(url, key)
+    messages = [{"role": "user", "content": "Remember the number 42."}]
+    fleet_setup.one_turn(url, sid, session_key, messages)
+    return sid, session_key, fleet_setup.session_tokens(url, sid, session_key)
+
+
+def repair(clock: Clock, kubectl: Kubectl, urls: dict[str, str], key: str) -> None:
+    name = list(urls)[-1]
+    sid, session_key, before = live_session(urls[name], key)
+    clock.step(
+        f"a live session {sid} on {name} holds {before['num_tokens']} tokens; kubectl delete pod {name}"
+    )
+    uid = kubectl.json("pod", name)["metadata"]["uid"]
+    kubectl("delete", "pod", name, "-n", NAMESPACE, "--wait=false")
+
+    def probe() -> tuple[Any, str]:
+        pod = kubectl.json("pod", name, check=False)
+        status = fleet_status(kubectl)
+        replaced = bool(pod) and pod["metadata"]["uid"] != uid
+        if not pod:
+            state = "gone"
+        elif not replaced:
+            state = "terminating (draining, dumping its sessions)"
+        else:
+            state = f"replacement {pod.get('status', {}).get('phase', 'Pending')}, ready={pod_ready(pod)}"
+        done = replaced and pod_ready(pod) and fleet_setup.fleet_ready(status, PROXIES)
+        return done, f"{name}: {state}; {status_line(status, PROXIES)}"
+
+    wait_until(clock, f"{name} to come back", probe, REPAIR_TIMEOUT_S)
+    url = pod_urls(kubectl, "proxy", fleet_setup.PROXY_PORT)[name]
+    after = fleet_setup.session_tokens(url, sid, session_key)
+    same = after["trajectory"] == before["trajectory"]
+    clock.step(
+        f"{name} is back at {url}: session {sid} restored with {after['num_tokens']} tokens "
+        f"(before: {before['num_tokens']}; token ids and logprobs {'identical' if same else 'DIFFERENT'})"
+    )
+    if not same or after["num_tokens"] != before["num_tokens"]:
+        raise RuntimeError(f"session {sid} was not restored intact on the replacement {name}")
+
+
+def scale(clock: Clock, kubectl: Kubectl) -> None:
+    clock.step(f"kubectl scale rf/{FLEET} --replicas={SCALED}")
+    print(kubectl("scale", f"rf/{FLEET}", "-n", NAMESPACE, f"--replicas={SCALED}").rstrip())
+    wait_fleet_ready(clock, kubectl, SCALED, REPAIR_TIMEOUT_S)
+    print(kubectl("get", "rf", "-n", NAMESPACE).rstrip())
+    print(
+        kubectl("get", "pods", "-n", NAMESPACE, "-l", fleet_setup.component_selector(FLEET, "proxy")).rstrip()
+    )
+
+
+def show_fleet_and_repair(clock: Clock, kubectl: Kubectl, tokenizer_dir: Path, work: Path) -> None:
+    apply_fleet(clock, kubectl, tokenizer_dir, work)
+    key = fleet_setup.admin_key(kubectl.json("secret", f"{FLEET}-admin-key"))
+    urls = pod_urls(kubectl, "proxy", fleet_setup.PROXY_PORT)
+    run_sessions(clock, urls, key)
+    seen = show_fleet(clock, kubectl, urls)
+    repair(clock, kubectl, urls, key)
+    scale(clock, kubectl)
+    clock.step(f"{FLEET}'s Events since the first listing")
+    seen_uids = {e["metadata"]["uid"] for e in seen}
+    print(event_lines([e for e in fleet_events(kubectl) if e["metadata"]["uid"] not in seen_uids]))
 
 
 def main(argv: list[str] | None = None) -> int:
+    clock = Clock()
     cache = Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet"))
     work = Path(tempfile.mkdtemp(prefix="rolloutfleet-demo-"))
-    step("control-plane binaries (built from the Go module proxy on the first run, then cached)")
-    kubectl_bin = ensure_binaries() / "kubectl"
-    tokenizer_dir = str(build_test_tokenizer(cache / "test-tokenizer"))
-    step("starting the local control plane")
-    state = up(work / "cluster")
-    kubectl = Kubectl(kubectl_bin, state.kubeconfig)
-    step("starting the process kubelet (a CPU node and a GPU node; pods run as local processes)")
-    kubelet = ProcessKubelet(state.kubeconfig, work / "kubelet").start()
+    clock.step(
+        "control-plane binaries and helm (built from the Go module proxy on the first run, then cached)"
+    )
+    bin_dir = ensure_binaries()
+    tokenizer_dir = build_test_tokenizer(cache / "test-tokenizer")
+    clock.step("starting the local control plane")
     try:
-        kubectl("create", "namespace", NAMESPACE)
-        step("deploying 2 reference engines on the GPU node and the SGLang router with service discovery")
-        kubectl.apply(
-            *sample.router_rbac(NAMESPACE),
-            sample.engines(NAMESPACE, 2, tokenizer_dir),
-            sample.router(NAMESPACE),
-        )
-        kubectl("wait", "-n", NAMESPACE, "--for=condition=Ready", "pod", "--all", "--timeout=300s")
-        router_ip = kubectl("get", "pod", "sample-router", "-n", NAMESPACE, "-o", "jsonpath={.status.podIP}")
-        router_url = f"http://{router_ip}:{sample.ROUTER_PORT}"
-        wait_until_routed(router_url)
-        step(f"deploying a proxy in front of the router at {router_url}")
-        kubectl.apply(sample.proxy(NAMESPACE, router_url, tokenizer_dir, ADMIN_KEY))
-        kubectl("wait", "-n", NAMESPACE, "--for=condition=Ready", "pod/sample-proxy-0", "--timeout=180s")
-        proxy_ip = kubectl("get", "pod", "sample-proxy-0", "-n", NAMESPACE, "-o", "jsonpath={.status.podIP}")
-        proxy_url = f"http://{proxy_ip}:{sample.PROXY_PORT}"
-        step(f"running {len(QUESTIONS)} multi-turn sessions through {proxy_url} with the openai client")
-
-        async def all_sessions() -> list[dict]:
-            return await asyncio.gather(*(run_session(proxy_url, q, i) for i, q in enumerate(QUESTIONS)))
-
-        for summary in asyncio.run(all_sessions()):
-            print(
-                f"    session {summary['session_id']}: {summary['num_turns']} turns, "
-                f"{summary['num_tokens']} tokens, {sum(summary['trajectory']['loss_mask'])} generated, "
-                f"reward {summary['reward']}"
-            )
-        step("kubectl get nodes,pods -o wide")
-        print(kubectl("get", "nodes", "-o", "wide"))
-        print(kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide"))
-        step("the proxy's /stats")
-        print(json.dumps(httpx.get(f"{proxy_url}/stats").json(), indent=2))
+        state = up(work / "cluster")
+        kubectl = Kubectl(bin_dir / "kubectl", state.kubeconfig)
+        clock.step("starting the process kubelet (a CPU node and a GPU node; pods run as local processes)")
+        kubelet = ProcessKubelet(state.kubeconfig, work / "kubelet").start()
+        try:
+            install_operator(clock, kubectl, bin_dir / "helm")
+            show_fleet_and_repair(clock, kubectl, tokenizer_dir, work)
+        finally:
+            clock.step("stopping the kubelet (pods' processes end) and the control plane")
+            kubelet.stop()
     finally:
-        step("stopping the kubelet (pods' processes end) and the control plane")
-        kubelet.stop()
-        down(work / "cluster")
-    step(f"done; pod logs in {work / 'kubelet'}")
+        down(work / "cluster")  # ends what `up` started, even if it failed half-way
+        step(f"pod logs (operator, proxies, router, engines) in {work / 'kubelet' / 'logs'}")
+        step(f"proxy dumps in {work / 'dumps'}")
+    clock.step("done")
     return 0
 
 

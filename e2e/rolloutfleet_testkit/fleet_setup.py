@@ -5,6 +5,8 @@ Shared by the main job (`./dev demo`) and the operator's e2e tests. `local_fleet
 hostPaths (the locally built test tokenizer stands in for the model; the process kubelet runs the
 CPU reference engine, a test stand-in for SGLang, for the engine image), and resource requests
 shrink to fit the process kubelet's nodes. Everything else is the sample as users apply it.
+The rest are small helpers both use: reading a fleet's status, finding its pods by label, and
+talking to a proxy the way a rollout worker does (plain HTTP, the admin key from the fleet's Secret).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,6 +24,10 @@ CHART = ROOT / "charts" / "rolloutfleet-operator"
 CRDS = ROOT / "crds"
 GPU_SAMPLE = ROOT / "operator" / "samples" / "gpu.yaml"
 OPERATOR_IMAGE = "rolloutfleet-operator"  # the process kubelet runs `python -m rolloutfleet_operator`
+OPERATOR_LABEL = "app.kubernetes.io/name=rolloutfleet-operator"
+OPERATOR_METRICS_PORT = 8080  # the chart's metricsPort
+PROXY_PORT = 8000  # the CRD's default spec.proxy.port (the sample keeps it)
+GATEWAY_PORT = 30080
 
 
 def local_fleet(
@@ -91,3 +98,58 @@ def pod_urls(pods: dict[str, Any], port: int) -> dict[str, str]:
         for pod in pods["items"]
         if (pod.get("status") or {}).get("podIP") and not pod["metadata"].get("deletionTimestamp")
     }
+
+
+def component_selector(fleet: str, component: str) -> str:
+    """Label selector of one kind of the fleet's pods: proxy, gateway or engine."""
+    return f"app.kubernetes.io/instance={fleet},app.kubernetes.io/component={component}"
+
+
+def condition(status: dict[str, Any], kind: str) -> str | None:
+    """The status ("True", "False", "Unknown") of the fleet's condition `kind`, None if absent."""
+    return next((c["status"] for c in status.get("conditions", []) if c["type"] == kind), None)
+
+
+def fleet_ready(status: dict[str, Any], replicas: int) -> bool:
+    """`replicas` proxies ready and built from the current template, and the Ready condition True."""
+    ok = status.get("readyReplicas") == replicas and status.get("updatedReplicas") == replicas
+    return ok and condition(status, "Ready") == "True"
+
+
+def _checked(response: httpx.Response) -> httpx.Response:
+    if not response.is_success:
+        raise RuntimeError(
+            f"{response.request.method} {response.request.url}: {response.status_code} {response.text}"
+        )
+    return response
+
+
+def create_session(url: str, key: str) -> tuple[str, str]:
+    """A new session on the proxy at `url` (admin `key`): (session id, session key)."""
+    response = httpx.post(
+        f"{url}/v1/sessions", headers={"Authorization": f"Bearer {key}"}, json={}, timeout=30
+    )
+    created = _checked(response).json()
+    return created["session_id"], created["session_key"]
+
+
+def session_tokens(url: str, session_id: str, key: str) -> dict[str, Any]:
+    """The session as the proxy records it, with its token ids, loss mask and logprobs."""
+    response = httpx.get(
+        f"{url}/v1/sessions/{session_id}",
+        params={"tokens": "true"},
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
+    return _checked(response).json()
+
+
+def one_turn(url: str, session_id: str, key: str, messages: list[dict[str, Any]]) -> str:
+    """One chat turn of the session (the full history in `messages`); the assistant's reply."""
+    response = httpx.post(
+        f"{url}/v1/sessions/{session_id}/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"messages": messages, "max_tokens": 12, "seed": 1},
+        timeout=60,
+    )
+    return _checked(response).json()["choices"][0]["message"]["content"]

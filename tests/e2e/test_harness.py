@@ -97,7 +97,7 @@ def test_pod_gets_its_own_ip_becomes_ready_and_serves_http(cluster, harness, ns,
     status = ready["status"]
     assert status["phase"] == "Running" and ready["spec"]["nodeName"] == "rf-cpu-node"
     ip = status["podIP"]
-    assert ip.startswith("127.0.") and not ip.startswith("127.0.0.")
+    assert ip.startswith("127.") and not ip.startswith("127.0.0.")
     assert status["podIPs"] == [{"ip": ip}] and status["hostIP"] == "127.0.0.1"
     (container,) = status["containerStatuses"]
     assert container["ready"] and container["started"] and "running" in container["state"]

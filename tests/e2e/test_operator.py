@@ -16,10 +16,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-import httpx
 import pytest
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.demo import QUESTIONS, run_session
+from rolloutfleet_testkit.fleet_setup import condition, create_session, one_turn, session_tokens
 from rolloutfleet_testkit.processes import serve_app, wait_until_routed
 from rolloutfleet_testkit.refengine.server import create_app as create_engine_app
 from waiting import wait_for
@@ -81,10 +81,6 @@ def proxy_pods(cluster, namespace: str) -> list[str]:
 def pod_uid(cluster, namespace: str, name: str) -> str | None:
     result = cluster.kubectl("get", "pod", name, "-n", namespace, "-o", "json", check=False)
     return json.loads(result.stdout)["metadata"]["uid"] if result.returncode == 0 else None
-
-
-def condition(status: dict, kind: str) -> str | None:
-    return next((c["status"] for c in status.get("conditions", []) if c["type"] == kind), None)
 
 
 def test_fleet_lifecycle(cluster, operator, test_tokenizer_dir):
@@ -174,30 +170,17 @@ def operator_restarts(cluster, operator: Operator) -> int:
 
 def fleet_ready(cluster, namespace: str, name: str, replicas: int) -> dict | bool:
     status = get(cluster, namespace, "rf", name).get("status", {})
-    ok = status.get("readyReplicas") == replicas and status.get("updatedReplicas") == replicas
-    return ok and condition(status, "Ready") == "True" and status
+    return fleet_setup.fleet_ready(status, replicas) and status
 
 
 def proxy_urls(cluster, namespace: str, fleet: str) -> dict[str, str]:
-    pods = get(
-        cluster,
-        namespace,
-        "pods",
-        "-l",
-        f"app.kubernetes.io/instance={fleet},app.kubernetes.io/component=proxy",
-    )
-    return fleet_setup.pod_urls(pods, 8000)
+    pods = get(cluster, namespace, "pods", "-l", fleet_setup.component_selector(fleet, "proxy"))
+    return fleet_setup.pod_urls(pods, fleet_setup.PROXY_PORT)
 
 
 def proxy_states(cluster, namespace: str, fleet: str) -> list[tuple[str, bool, bool, str]]:
     """(name, ready, terminating, template hash) of each proxy pod."""
-    pods = get(
-        cluster,
-        namespace,
-        "pods",
-        "-l",
-        f"app.kubernetes.io/instance={fleet},app.kubernetes.io/component=proxy",
-    )
+    pods = get(cluster, namespace, "pods", "-l", fleet_setup.component_selector(fleet, "proxy"))
     states = []
     for pod in pods["items"]:
         ready = any(
@@ -214,28 +197,6 @@ def proxy_states(cluster, namespace: str, fleet: str) -> list[tuple[str, bool, b
             )
         )
     return sorted(states)
-
-
-def session_tokens(url: str, session_id: str, key: str) -> dict:
-    response = httpx.get(
-        f"{url}/v1/sessions/{session_id}",
-        params={"tokens": "true"},
-        headers={"Authorization": f"Bearer {key}"},
-        timeout=30,
-    )
-    assert response.status_code == 200, response.text
-    return response.json()
-
-
-def one_turn(url: str, session_id: str, key: str, messages: list[dict]) -> str:
-    response = httpx.post(
-        f"{url}/v1/sessions/{session_id}/chat/completions",
-        headers={"Authorization": f"Bearer {key}"},
-        json={"messages": messages, "max_tokens": 12, "seed": 1},
-        timeout=60,
-    )
-    assert response.status_code == 200, response.text
-    return response.json()["choices"][0]["message"]["content"]
 
 
 def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
@@ -256,16 +217,12 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
     assert status["gatewayUrl"] == f"http://gpu-gateway.{namespace}.svc:30080"
 
     # Engines on the GPU node with their GPUs; the router found them through the Kubernetes API.
-    engines = get(
-        cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=gpu,app.kubernetes.io/component=engine"
-    )
+    engines = get(cluster, namespace, "pods", "-l", fleet_setup.component_selector("gpu", "engine"))
     (engine,) = engines["items"]
     assert engine["spec"]["nodeName"] == "rf-gpu-node"
     assert engine["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "2"
-    gateway = get(
-        cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=gpu,app.kubernetes.io/component=gateway"
-    )
-    wait_until_routed(fleet_setup.pod_urls(gateway, 30080).popitem()[1])
+    gateway = get(cluster, namespace, "pods", "-l", fleet_setup.component_selector("gpu", "gateway"))
+    wait_until_routed(fleet_setup.pod_urls(gateway, fleet_setup.GATEWAY_PORT).popitem()[1])
 
     # A session through a proxy reaches the engine (by the gateway's Service name) and is recorded.
     key = fleet_setup.admin_key(get(cluster, namespace, "secret", "gpu-admin-key"))
@@ -282,10 +239,7 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
     assert env["ROLLOUTFLEET_PROXY_UPSTREAM_URL"] == status["gatewayUrl"]
 
     # A live session on proxy-1 survives the pod's deletion: the replacement restores it.
-    created = httpx.post(
-        f"{urls['gpu-proxy-1']}/v1/sessions", headers={"Authorization": f"Bearer {key}"}, json={}, timeout=30
-    ).json()
-    sid, session_key = created["session_id"], created["session_key"]
+    sid, session_key = create_session(urls["gpu-proxy-1"], key)
     messages = [{"role": "user", "content": "hello there"}]
     messages.append(
         {"role": "assistant", "content": one_turn(urls["gpu-proxy-1"], sid, session_key, messages)}

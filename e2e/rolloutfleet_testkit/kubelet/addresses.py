@@ -1,15 +1,22 @@
-"""Pod IPs: one loopback address per pod, 127.0.1.1 upward (all of 127/8 reaches `lo` on Linux).
+"""Pod IPs: one loopback address per pod (all of 127/8 reaches `lo` on Linux).
 
 Each pod gets its own address so that many pods can listen on the same port (e.g. every SGLang
 engine on :30000, found by the router as http://<podIP>:30000). 127.0.0.0/24 is never handed out:
 127.0.0.1 is the node's (hostIP) and the control plane's. Addresses are handed out round-robin, so
 a just-released address is not reused while clients may still hold it.
+
+Several harnesses may run on one machine at once (a test run beside a demo): each claims its own
+block 127.N.0.0/16 (N = 1…254) with a lock file, so their pods never share an address.
 """
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
+import os
+import tempfile
 import threading
+from pathlib import Path
 
 FIRST = ipaddress.IPv4Address("127.0.1.1")
 LAST = ipaddress.IPv4Address("127.255.255.254")
@@ -20,9 +27,38 @@ def usable(address: ipaddress.IPv4Address) -> bool:
     return FIRST <= address <= LAST and address.packed[3] not in (0, 255)
 
 
+class AddressBlockLock:
+    """An exclusive claim on 127.N.0.0/16, held (by an open, flock'ed file) until `release()`."""
+
+    def __init__(self, lock_dir: Path | None = None):
+        directory = lock_dir or Path(tempfile.gettempdir())
+        for block in range(1, 255):
+            fd = os.open(directory / f"rolloutfleet-kubelet-127.{block}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.block, self._fd = block, fd
+            return
+        raise RuntimeError("every 127.N.0.0/16 address block is claimed by another process kubelet")
+
+    @property
+    def first(self) -> str:
+        return f"127.{self.block}.0.1"
+
+    @property
+    def last(self) -> str:
+        return f"127.{self.block}.255.254"
+
+    def release(self) -> None:
+        os.close(self._fd)  # closing drops the flock
+
+
 class AddressPool:
-    def __init__(self, first: str = str(FIRST)):
-        self._next = ipaddress.IPv4Address(first)
+    def __init__(self, first: str = str(FIRST), last: str = str(LAST)):
+        self._first, self._last = ipaddress.IPv4Address(first), ipaddress.IPv4Address(last)
+        self._next = self._first
         self._used: set[ipaddress.IPv4Address] = set()
         self._lock = threading.Lock()
 
@@ -31,16 +67,19 @@ class AddressPool:
         with self._lock:
             if preferred:
                 wanted = ipaddress.IPv4Address(preferred)
-                if usable(wanted) and wanted not in self._used:
+                if self._mine(wanted) and wanted not in self._used:
                     self._used.add(wanted)
                     return preferred
-            for _ in range(int(LAST) - int(FIRST) + 1):
+            for _ in range(int(self._last) - int(self._first) + 1):
                 candidate = self._next
-                self._next = candidate + 1 if candidate < LAST else FIRST
-                if usable(candidate) and candidate not in self._used:
+                self._next = candidate + 1 if candidate < self._last else self._first
+                if self._mine(candidate) and candidate not in self._used:
                     self._used.add(candidate)
                     return str(candidate)
         raise RuntimeError("no free pod address")
+
+    def _mine(self, address: ipaddress.IPv4Address) -> bool:
+        return usable(address) and self._first <= address <= self._last
 
     def release(self, address: str | None) -> None:
         if address:

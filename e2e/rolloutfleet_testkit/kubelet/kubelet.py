@@ -7,7 +7,7 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-from .addresses import AddressPool
+from .addresses import AddressBlockLock, AddressPool
 from .cluster_dns import ClusterDns
 from .credentials import api_server
 from .heartbeat import NodeHeartbeat
@@ -46,6 +46,7 @@ class ProcessKubelet:
         self._heartbeat: NodeHeartbeat | None = None
         self._provisioner: Provisioner | None = None
         self._dns: ClusterDns | None = None
+        self._block: AddressBlockLock | None = None
         self._kube: Kube | None = None
         self._context: NodeContext | None = None
         self._stopped = False
@@ -56,12 +57,13 @@ class ProcessKubelet:
         configuration = load_configuration(self.kubeconfig)
         self._kube = Kube(configuration)
         allocatable = {spec.name: spec.resources for spec in self.nodes}
+        self._block = AddressBlockLock()
         self._dns = ClusterDns(self._kube, self.state_dir / "cluster-dns" / "hosts").start()
         self._context = NodeContext(
             kube=self._kube,
             state_dir=self.state_dir,
             api_server=api_server(configuration, self.state_dir),
-            addresses=AddressPool(),
+            addresses=AddressPool(self._block.first, self._block.last),
             allocatable=lambda node: allocatable.get(node, {}),
             forget=self._forget,
             hosts_file=self._dns.path,
@@ -106,6 +108,8 @@ class ProcessKubelet:
             self._heartbeat.stop(delete_nodes)
         if self._kube is not None:
             self._kube.close()
+        if self._block is not None:
+            self._block.release()
 
     def __enter__(self) -> ProcessKubelet:
         return self.start()
