@@ -1,6 +1,6 @@
-"""A sample workload for the local cluster, until the operator (issue #4) builds the real one:
-CPU reference engines (test stand-ins for SGLang) on the GPU node, the real SGLang router with
-Kubernetes service discovery in front of them, and a proxy pointed at the router.
+"""Hand-made engines and router for the router-discovery e2e test (independent of the operator):
+CPU reference engines (test stand-ins for SGLang) on the GPU node and the real SGLang router with
+Kubernetes service discovery in front of them.
 
 Pure builders: each returns the manifests as dicts.
 """
@@ -121,48 +121,4 @@ def router(namespace: str) -> dict[str, Any]:
             "labels": {"app.kubernetes.io/name": "sample-router"},
         },
         "spec": {"serviceAccountName": "sample-router", "containers": [container]},
-    }
-
-
-def proxy(namespace: str, upstream_url: str, tokenizer_dir: str, admin_key: str) -> dict[str, Any]:
-    container = {
-        "name": "proxy",
-        "image": "rolloutfleet-proxy:dev",
-        "args": [
-            "--host",
-            "$(POD_IP)",
-            "--port",
-            str(PROXY_PORT),
-            "--upstream-url",
-            upstream_url,
-            "--tokenizer-path",
-            "/models/tokenizer",
-            "--dump-dir",
-            "/var/lib/rolloutfleet/dumps",
-            "--public-url",
-            f"http://$(POD_IP):{PROXY_PORT}",
-        ],
-        "env": [POD_IP_ENV, {"name": "ROLLOUTFLEET_PROXY_ADMIN_KEY", "value": admin_key}],
-        "volumeMounts": [
-            {"name": "model", "mountPath": "/models/tokenizer", "readOnly": True},
-            {"name": "dumps", "mountPath": "/var/lib/rolloutfleet/dumps"},
-        ],
-        "readinessProbe": _http_probe("/readyz", PROXY_PORT),
-    }
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": "sample-proxy-0",
-            "namespace": namespace,
-            "labels": {"app.kubernetes.io/name": "sample-proxy"},
-        },
-        "spec": {
-            "containers": [container],
-            "terminationGracePeriodSeconds": 30,
-            "volumes": [
-                {"name": "model", "hostPath": {"path": tokenizer_dir, "type": "Directory"}},
-                {"name": "dumps", "emptyDir": {}},
-            ],
-        },
     }
