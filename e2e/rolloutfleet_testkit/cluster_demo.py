@@ -131,7 +131,10 @@ def install_operator(clock: Clock, kubectl: Kubectl, helm: Path) -> None:
     clock.step(f"helm upgrade --install {RELEASE} charts/rolloutfleet-operator (watching {NAMESPACE})")
     args = fleet_setup.helm_install_args(RELEASE, NAMESPACE, [NAMESPACE])
     result = subprocess.run(
-        [str(helm), "--kubeconfig", kubectl.kubeconfig, *args], capture_output=True, text=True, timeout=240
+        [str(helm), "--kubeconfig", kubectl.kubeconfig, *args],
+        capture_output=True,
+        text=True,
+        timeout=fleet_setup.HELM_WAIT_S + 60,
     )
     if result.returncode != 0:
         raise RuntimeError(f"helm install failed: {result.stderr.strip()}")

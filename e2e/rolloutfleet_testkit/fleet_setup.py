@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rolloutfleet-operator"
 CRDS = ROOT / "crds"
 GPU_SAMPLE = ROOT / "operator" / "samples" / "gpu.yaml"
+HELM_WAIT_S = 300  # the operator pod's start-up, generous for a loaded 2-core machine
 OPERATOR_IMAGE = "rolloutfleet-operator"  # the process kubelet runs `python -m rolloutfleet_operator`
 OPERATOR_LABEL = "app.kubernetes.io/name=rolloutfleet-operator"
 OPERATOR_METRICS_PORT = 8080  # the chart's metricsPort
@@ -82,7 +83,7 @@ def helm_install_args(
         *sets,
         "--wait",
         "--timeout",
-        "180s",
+        f"{HELM_WAIT_S}s",
     ]
 
 

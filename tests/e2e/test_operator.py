@@ -16,7 +16,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+import httpx
 import pytest
+from rolloutfleet_proxy.settings import ENV
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.demo import QUESTIONS, run_session
 from rolloutfleet_testkit.fleet_setup import condition, create_session, one_turn, session_tokens
@@ -55,7 +57,7 @@ def operator(cluster):
         ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=fleet_setup.HELM_WAIT_S + 60,
     )
     assert install.returncode == 0, install.stderr
     try:
@@ -237,6 +239,16 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
     env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
     assert env["ROLLOUTFLEET_PROXY_DUMP_DIR"] == "/var/lib/rolloutfleet/dumps/gpu-proxy-1"
     assert env["ROLLOUTFLEET_PROXY_UPSTREAM_URL"] == status["gatewayUrl"]
+    reported = httpx.get(
+        f"{urls['gpu-proxy-1']}/v1/settings", headers={"Authorization": f"Bearer {key}"}
+    ).json()
+    field_of = {name: field for field, name in ENV.items()}
+    injected = {n: v for n, v in env.items() if n in field_of and v is not None}
+    assert {"ROLLOUTFLEET_PROXY_MAX_STALENESS", "ROLLOUTFLEET_PROXY_STALENESS_BATCH_SHARE"} <= set(injected)
+    for name, value in injected.items():
+        actual = reported[field_of[name]]
+        same = float(actual) == float(value) if isinstance(actual, int | float) else str(actual) == value
+        assert same, f"{name}={value!r} injected, the proxy runs with {actual!r}"
 
     # A live session on proxy-1 survives the pod's deletion: the replacement restores it.
     sid, session_key = create_session(urls["gpu-proxy-1"], key)
