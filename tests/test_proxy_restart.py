@@ -149,6 +149,32 @@ def test_refuses_to_start_without_dump_dir(test_tokenizer_dir, tmp_path):
     assert "no dump directory" in process.log_path.read_text()
 
 
+def test_refuses_to_start_when_the_dump_directory_is_not_writable(test_tokenizer_dir, tmp_path):
+    # A file where the directory belongs (root ignores permission bits, not this).
+    blocked = tmp_path / "dumps"
+    blocked.write_text("not a directory")
+    process = ServerProcess(
+        proxy_command(
+            "--port",
+            str(free_port()),
+            "--upstream-url",
+            "http://127.0.0.1:1",
+            "--tokenizer-path",
+            str(test_tokenizer_dir),
+            "--dump-dir",
+            str(blocked),
+        ),
+        tmp_path / "unwritable.log",
+        env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
+    )
+    deadline = time.monotonic() + 60
+    while process.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert process.terminate() == 3
+    assert f"the dump directory {blocked} is not writable" in process.log_path.read_text()
+    assert blocked.read_text() == "not a directory"
+
+
 def test_corrupt_live_dump_is_kept_aside_not_deleted(engine_url, test_tokenizer_dir, tmp_path):
     dumps = tmp_path / "dumps"
     (dumps / LIVE_AREA).mkdir(parents=True)

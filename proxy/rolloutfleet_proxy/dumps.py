@@ -50,6 +50,24 @@ def area_dir(dump_dir: Path, area: str) -> Path:
     return dump_dir / area
 
 
+def check_writable(dump_dir: Path) -> None:
+    """Create the dump areas and write, sync and remove a probe file, or raise: a proxy that cannot
+    write its dumps must not start (it would serve, then lose every session at its first dump). A
+    common cause: a hostPath directory created by the kubelet as root, the proxy running as non-root.
+    """
+    try:
+        for area in (LIVE_AREA, STALE_AREA, CORRUPT_AREA):
+            area_dir(dump_dir, area).mkdir(parents=True, exist_ok=True)
+        probe = area_dir(dump_dir, LIVE_AREA) / f".write-probe-{os.getpid()}"
+        write_atomic(probe, b"probe")
+        probe.unlink()
+    except OSError as exc:
+        raise RuntimeError(
+            f"the dump directory {dump_dir} is not writable ({exc}); sessions could not be saved, so the "
+            f"proxy does not start. Make it writable for uid {os.getuid()} (gid {os.getgid()})."
+        ) from exc
+
+
 def dump_file_path(dump_dir: Path, area: str, session_id: str, stamp_ms: int | None = None) -> Path:
     """The file for a session (or batch: same id rule); refuses ids that could name anything outside
     the area directory."""

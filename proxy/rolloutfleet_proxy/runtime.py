@@ -19,7 +19,7 @@ from .admission import (
 )
 from .chat_tokens import TurnTokenizer
 from .cleanup import SessionWriter, StaleSessionCleaner
-from .dumps import LIVE_AREA, list_live_dumps, load_session_file, quarantine
+from .dumps import LIVE_AREA, check_writable, list_live_dumps, load_session_file, quarantine
 from .errors import ProxyError
 from .export_buffer import ExportBuffer
 from .exports import ExportService
@@ -165,6 +165,8 @@ class ProxyRuntime:
         return stats
 
     async def start(self) -> None:
+        if self.settings.dump_dir is not None:
+            await asyncio.to_thread(check_writable, self.settings.dump_dir)
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(TurnTokenizer.from_path, self.settings.tokenizer_path)
         self.upstream = SGLangClient(
