@@ -1002,3 +1002,10 @@ def test_children_do_not_share_mutable_state_with_the_fleet():
     assert GPU.proxy.resources["limits"]["memory"] == "8Gi"
     assert len(GPU.engines.tolerations) == 1
     assert manifests.proxy_pod(GPU, 2) == POD
+
+
+def test_switching_to_external_engines_makes_the_engine_deployment_unwanted():
+    assert manifests.unwanted_children(GPU) == []
+    external = _mutated("externalEngineUrls", ["http://e:1"])
+    del external["spec"]["engines"]
+    assert manifests.unwanted_children(parse_fleet(external)) == [("apps/v1", "Deployment", "gpu-fleet-engine")]

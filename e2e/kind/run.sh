@@ -11,7 +11,8 @@ GPU_NODE="$(kubectl get nodes -l nvidia.com/gpu.present=true -o name | head -1)"
 kubectl taint "$GPU_NODE" nvidia.com/gpu=present:NoSchedule --overwrite
 docker build -f e2e/kind/Dockerfile.proxy -t rolloutfleet-proxy:e2e .
 docker build -f e2e/kind/Dockerfile.refengine -t rolloutfleet-refengine:e2e .
-kind load docker-image --name "$NAME" rolloutfleet-proxy:e2e rolloutfleet-refengine:e2e
+docker build -f e2e/kind/Dockerfile.operator -t rolloutfleet-operator:0.1.0 .
+kind load docker-image --name "$NAME" rolloutfleet-proxy:e2e rolloutfleet-refengine:e2e rolloutfleet-operator:0.1.0
 export KUBECONFIG="$(mktemp)"
 kind get kubeconfig --name "$NAME" > "$KUBECONFIG"
 ./dev test tests/e2e -m e2e "$@"

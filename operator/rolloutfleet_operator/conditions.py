@@ -8,7 +8,8 @@ status does):
   when the engines run elsewhere (spec.externalEngineUrls).
 - `Progressing`: True while proxies are being created, scaled, rolled or are coming up.
 - `ReplicaFailure`: True while a proxy pod is Failed, crash-looping or cannot start (image pull,
-  bad config), or a proxy pod could not be created; the message names them.
+  bad config), or a child (a proxy pod, or a Service, Deployment or RBAC object the API server
+  refused) could not be created or applied; the message names them.
 - `Ready`: the summary: ProxiesReady, GatewayReady and EnginesReady are True and ReplicaFailure is not.
 
 Conditions of other types in the previous list (e.g. the memory watchdog's) are kept as they are:

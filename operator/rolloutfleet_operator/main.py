@@ -57,6 +57,8 @@ async def _pass(body: kopf.Body, logger: kopf.Logger) -> None:
         metrics.RECONCILE_SECONDS.labels(*fleet).observe(time.perf_counter() - started)
     for child in result.created_children:
         kopf.info(body, reason="Created", message=f"created {child}")
+    for child in result.deleted_children:
+        kopf.info(body, reason="Deleted", message=f"deleted {child}: the spec no longer wants it")
     for pod in result.created:
         kopf.info(body, reason="Created", message=f"created proxy pod {pod}")
     for pod, reason in result.deleted:
@@ -124,8 +126,9 @@ async def memory_watchdog(body: kopf.Body, stopped: kopf.DaemonStopped, logger: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rolloutfleet-operator", description=__doc__)
-    parser.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable)")
-    parser.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
+    scope = parser.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--namespace", action="append", default=[], help="watch this namespace (repeatable)")
+    scope.add_argument("--all-namespaces", action="store_true", help="watch every namespace")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--metrics-port", type=int, default=8080, help="port of Prometheus /metrics")
     parser.add_argument("--health-port", type=int, default=8081, help="port of the liveness probe /healthz")
@@ -133,8 +136,6 @@ def main(argv: list[str] | None = None) -> int:
         "--bind-address", default="0.0.0.0", help="address the metrics and health servers listen on"
     )
     args = parser.parse_args(argv)
-    if not args.namespace and not args.all_namespaces:
-        parser.error("give --namespace NS (repeatable) or --all-namespaces")
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

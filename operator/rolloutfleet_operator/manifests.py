@@ -484,6 +484,14 @@ def _deployment(
 # --- everything ----------------------------------------------------------------------------------
 
 
+def unwanted_children(fleet: Fleet) -> list[tuple[str, str, str]]:
+    """(apiVersion, kind, name) of children this fleet may have created earlier but no longer wants:
+    the engine Deployment once the spec switched to external engines (it would hold its GPUs)."""
+    if fleet.engines is None:
+        return [("apps/v1", "Deployment", engine_name(fleet))]
+    return []
+
+
 def desired_children(fleet: Fleet) -> list[Manifest]:
     """Every child except proxy pods and the admin-key Secret, in a safe order of creation."""
     children = [

@@ -85,6 +85,7 @@ class FleetWatchdog:
         self._seeded = False
         self._holds: dict[str, str] = {}  # pod -> last hold reason reported (Events on change only)
         self._requests = 0  # API requests in the current cycle
+        self._rss_series: set[str] = set()  # pods with a PROXY_RSS series
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._requests += 1
@@ -148,6 +149,9 @@ class FleetWatchdog:
         return report
 
     def _record_samples(self, fleet: Fleet, samples: Mapping[str, watchdog.Sample]) -> None:
+        for pod in self._rss_series - set(samples):  # no series for pods that are gone or not polled
+            metrics.PROXY_RSS.remove(fleet.namespace, fleet.name, pod)
+        self._rss_series = {pod for pod, s in samples.items() if isinstance(s, watchdog.RssSample)}
         for pod, sample in samples.items():
             if isinstance(sample, watchdog.RssSample):
                 metrics.PROXY_RSS.labels(fleet.namespace, fleet.name, pod).set(sample.rss_bytes)
@@ -191,7 +195,7 @@ class FleetWatchdog:
                 kind = "Normal" if hold.reason == watchdog.DRY_RUN else "Warning"
                 self.post_event(_fleet_ref(fleet), kind, reason, message)
                 if pod in pods:
-                    self.post_event(_as_pod(pods[pod]), "Warning", reason, message)
+                    self.post_event(_as_pod(pods[pod]), kind, reason, message)
                 if hold.reason == watchdog.DRY_RUN:
                     metrics.MEMORY_RESTARTS.labels(fleet.namespace, fleet.name, "DryRun").inc()
         self._holds = {pod: hold.reason for pod, hold in current.items()}

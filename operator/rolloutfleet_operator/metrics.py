@@ -24,7 +24,8 @@ CHILDREN_CREATED = Counter(
 )
 PROXIES_DELETED = Counter(
     "rolloutfleet_operator_proxy_deletions_total",
-    "Proxy pods deleted by the operator, by reason (ScaledDown, Outdated, Failed, MemoryBudget)",
+    "Proxy pods deleted by the operator, by reason "
+    "(Down, ScaleDown, ReplaceOutdated, RollingUpdate, MemoryBudget)",
     (*FLEET, "reason"),
 )
 FLEET_PROXIES = Gauge(

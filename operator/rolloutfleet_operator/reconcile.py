@@ -21,7 +21,7 @@ from . import metrics
 from .conditions import ObservedState, fleet_status
 from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal, selector_string
 from .kubeapi import KubeApi, resource_path
-from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash
+from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash, unwanted_children
 from .plan import plan_proxies, proxy_pod_view
 
 log = logging.getLogger("rolloutfleet.operator")
@@ -38,6 +38,7 @@ class PassResult:
     created: list[str] = field(default_factory=list)  # proxy pods
     created_children: list[str] = field(default_factory=list)  # "Kind/name" of other children
     deleted: list[tuple[str, str]] = field(default_factory=list)  # (pod, reason)
+    deleted_children: list[str] = field(default_factory=list)  # "Kind/name" no longer wanted
     failures: list[str] = field(default_factory=list)
     status_changed: bool = False
 
@@ -74,6 +75,7 @@ class Reconciler:
                 metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, manifest["kind"]).inc()
         if fleet.generates_admin_key:
             await self._ensure_admin_key(fleet, result)
+        await self._prune(fleet, result)
         observed = await self._reconcile_proxies(fleet, result)
         for state, count in (
             ("desired", fleet.proxy.replicas),
@@ -93,6 +95,16 @@ class Reconciler:
             await self._call(self.api.patch, path + "/status", {"status": status})
             result.status_changed = True
         return result
+
+    async def _prune(self, fleet: Fleet, result: PassResult) -> None:
+        """Delete children the spec no longer wants, when this fleet owns them (never another's)."""
+        for api_version, kind, name in unwanted_children(fleet):
+            path = resource_path(api_version, kind, fleet.namespace, name)
+            child = await self._call(self.api.get, path)
+            owners = ((child or {}).get("metadata") or {}).get("ownerReferences") or []
+            owned = child is not None and any(o.get("uid") == fleet.uid for o in owners)
+            if owned and await self._call(self.api.delete, path):
+                result.deleted_children.append(f"{kind}/{name}")
 
     async def _ensure_admin_key(self, fleet: Fleet, result: PassResult) -> None:
         ref = fleet.admin_key_ref

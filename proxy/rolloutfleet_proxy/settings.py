@@ -80,7 +80,7 @@ class ProxySettings(BaseSettings):
         description="Off-policy bound in model versions for admitting new sessions (unset: no bound).",
     )
     staleness_batch_share: int = Field(
-        1, ge=1, description="This proxy's share of the trainer's batch size (batch / replicas, at least 1)."
+        1, ge=1, description="This proxy's share of the trainer's batch size (batch / replicas rounded up)."
     )
     max_concurrent_sessions: int = Field(
         0, ge=0, description="Most running (created, unfinished) sessions admitted at once (0: unlimited)."
