@@ -193,9 +193,9 @@ GPU_ROWS = [
     ("liveness", container(POD)["livenessProbe"]["httpGet"], {"path": "/healthz", "port": 8000}),
     (
         "tokenizer volume",
-        volume(POD, "/models/tokenizer"),
+        volume(POD, "/models"),
         {
-            "mount": {"name": "tokenizer", "mountPath": "/models/tokenizer", "readOnly": True},
+            "mount": {"name": "tokenizer", "mountPath": "/models", "readOnly": True},
             "volume": {
                 "name": "tokenizer",
                 "persistentVolumeClaim": {"claimName": "model-weights", "readOnly": True},
@@ -209,7 +209,7 @@ GPU_ROWS = [
     ),
     ("tmp volume", volume(POD, "/tmp")["volume"], {"name": "tmp", "emptyDir": {}}),
     ("env: upstream", env_map(POD)[ENV["upstream_url"]], "http://gpu-fleet-gateway.rl.svc:30080"),
-    ("env: tokenizer", env_map(POD)[ENV["tokenizer_path"]], "/models/tokenizer"),
+    ("env: tokenizer", env_map(POD)[ENV["tokenizer_path"]], "/models"),
     ("env: stale timeout", env_map(POD)[ENV["stale_session_timeout_s"]], "1800"),
     ("env: cleanup interval", env_map(POD)[ENV["cleanup_interval_s"]], "30"),
     ("env: dump dir", env_map(POD)[ENV["dump_dir"]], "/var/lib/rolloutfleet/dumps/gpu-fleet-proxy-2"),
@@ -245,7 +245,7 @@ GPU_ROWS = [
         container(ENGINE)["args"],
         [
             "--model-path",
-            "/models/policy",
+            "/models",
             "--host",
             "$(POD_IP)",
             "--port",
@@ -414,7 +414,7 @@ def test_injected_settings_load_in_the_proxy(monkeypatch):
     settings = load_settings(args)
     assert settings.host == "10.0.0.7" and settings.port == 8000
     assert settings.upstream_url == "http://gpu-fleet-gateway.rl.svc:30080"
-    assert settings.tokenizer_path == "/models/tokenizer"
+    assert settings.tokenizer_path == "/models"
     assert settings.stale_session_timeout_s == 1800 and settings.cleanup_interval_s == 30
     assert str(settings.dump_dir) == "/var/lib/rolloutfleet/dumps/gpu-fleet-proxy-1"
     assert settings.drain_grace_s == 25
