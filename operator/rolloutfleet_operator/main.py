@@ -12,9 +12,10 @@ import aiohttp
 import kopf
 
 from . import metrics
-from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER, parse_fleet
+from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER
+from .fleet_loop import FleetLoops
 from .kubeapi import KubeApi, load_configuration, resource_path
-from .memory_watchdog import FleetWatchdog, run_forever
+from .memory_watchdog import FleetWatchdog
 from .reconcile import Reconciler
 
 GROUP, VERSION, PLURAL = "rolloutfleet.dev", "v1alpha1", "rolloutfleets"
@@ -22,13 +23,14 @@ RESYNC_SECONDS = 10.0
 log = logging.getLogger("rolloutfleet.operator")
 
 _reconciler: Reconciler | None = None
+_loops: FleetLoops | None = None
 # Watching listed namespaces only: kopf need not (and, least-privileged, cannot) list namespaces.
 _static_namespaces = False
 
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_) -> None:
-    global _reconciler
+    global _reconciler, _loops
     # Handler progress and diff bases go to annotations: the CRD's status schema would prune
     # kopf's default status fields, and a pruned write reads back different, so kopf would loop.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rolloutfleet.dev")
@@ -38,6 +40,7 @@ async def configure(settings: kopf.OperatorSettings, **_) -> None:
     # Without this, kopf spends ~1 minute of retries on a namespace list it is not allowed.
     settings.scanning.disabled = _static_namespaces
     _reconciler = Reconciler(KubeApi(await asyncio.to_thread(load_configuration, None)))
+    _loops = FleetLoops(_background_pass, _make_watchdog, RESYNC_SECONDS)
 
 
 def _post_event(obj, type: str, reason: str, message: str) -> None:
@@ -74,12 +77,6 @@ async def on_change(body: kopf.Body, logger: kopf.Logger, **_) -> None:
     await _pass(body, logger)
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-async def resync(body: kopf.Body, logger: kopf.Logger, **_) -> None:
-    """The periodic pass: recreates vanished pods, advances rolls, refreshes status."""
-    await _pass(body, logger)
-
-
 @kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER, COMPONENT_LABEL: "proxy"})
 async def on_proxy_pod_event(event: dict, body: kopf.Body, logger: kopf.Logger, **_) -> None:
     """A proxy pod that is gone or failed is replaced now, not at the next periodic pass (the
@@ -100,28 +97,29 @@ async def on_proxy_pod_event(event: dict, body: kopf.Body, logger: kopf.Logger, 
         await _pass(kopf.Body(fleet), logger)
 
 
-@kopf.daemon(GROUP, VERSION, PLURAL, cancellation_timeout=5.0)
-async def memory_watchdog(body: kopf.Body, stopped: kopf.DaemonStopped, logger: kopf.Logger, **_) -> None:
-    """The fleet's memory watchdog, for as long as the fleet exists (body is kopf's live view, so
-    spec changes to the budget or interval apply from the next cycle)."""
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def track_fleet(event: dict, body: kopf.Body, **_) -> None:
+    """Every fleet event feeds its background loop (periodic pass and memory watchdog; see
+    fleet_loop.py for why these are not kopf timers and daemons: no finalizer)."""
+    assert _loops is not None
+    _loops.observe(event.get("type"), body)
+
+
+async def _make_watchdog(key: tuple[str, str]):
     assert _reconciler is not None
-    namespace, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    timeout = aiohttp.ClientTimeout(total=30)
-    async with aiohttp.ClientSession(timeout=timeout) as http:
-        fleet_watchdog = FleetWatchdog(
-            _reconciler.api, http, _post_event, _reconciler.lock_for(namespace, name)
-        )
+    http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
+    watchdog = FleetWatchdog(_reconciler.api, http, _post_event, _reconciler.lock_for(*key))
+    return watchdog, http.close
 
-        async def cycle() -> float:
-            fleet = parse_fleet(dict(body))
-            await fleet_watchdog.cycle(fleet)
-            return float(fleet.proxy.memory.check_interval_s)
 
-        async def is_stopped(delay: float) -> bool:
-            await stopped.wait(delay)
-            return bool(stopped)
+async def _background_pass(body: dict) -> None:
+    await _pass(kopf.Body(body), log)
 
-        await run_forever(cycle, is_stopped)
+
+@kopf.on.cleanup()
+async def stop_background(**_) -> None:
+    if _loops is not None:
+        await _loops.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -223,22 +223,6 @@ class FleetWatchdog:
                 return False
             await self._call(self.api.patch, _fleet_path(fleet) + "/status", {"status": update})
             return True
-
-
-async def run_forever(
-    cycle: Callable[[], Awaitable[float]], stopped: Callable[[float], Awaitable[bool]]
-) -> None:
-    """Run `cycle` (which returns the seconds until the next one) until `stopped(delay)` says so;
-    an exception in one cycle is logged and the next one still runs."""
-    delay = 0.0
-    while not await stopped(delay):
-        try:
-            delay = await cycle()
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("memory watchdog cycle failed")
-            delay = 5.0
 
 
 def _fleet_path(fleet: Fleet) -> str:

@@ -374,4 +374,16 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster, ope
         version = get(cluster, namespace, "rf", "k1")["metadata"]["resourceVersion"]
         time.sleep(12)  # longer than the operator's periodic pass
         assert get(cluster, namespace, "rf", "k1")["metadata"]["resourceVersion"] == version
-        cluster.kubectl("delete", "rf", "k1", "-n", namespace)
+
+        # No finalizer: a fleet goes even while the operator is down; its children follow it.
+        assert not get(cluster, namespace, "rf", "k1")["metadata"].get("finalizers")
+        cluster.kubectl("scale", "deployment", operator.deployment, "-n", namespace, "--replicas=0")
+        wait_for(lambda: not operator_pods(cluster, operator), timeout_s=60, what="the operator to stop")
+        cluster.kubectl("delete", "rf", "k1", "-n", namespace, "--timeout=30s")
+        wait_for(
+            lambda: not get(cluster, namespace, "pods", "-l", "app.kubernetes.io/instance=k1")["items"],
+            timeout_s=120,
+            what="k1's pods garbage-collected without the operator",
+            interval_s=1,
+        )
+        cluster.kubectl("scale", "deployment", operator.deployment, "-n", namespace, "--replicas=1")
