@@ -1008,4 +1008,6 @@ def test_switching_to_external_engines_makes_the_engine_deployment_unwanted():
     assert manifests.unwanted_children(GPU) == []
     external = _mutated("externalEngineUrls", ["http://e:1"])
     del external["spec"]["engines"]
-    assert manifests.unwanted_children(parse_fleet(external)) == [("apps/v1", "Deployment", "gpu-fleet-engine")]
+    assert manifests.unwanted_children(parse_fleet(external)) == [
+        ("apps/v1", "Deployment", "gpu-fleet-engine")
+    ]

@@ -203,7 +203,7 @@ def _proxy_pod_body(fleet: Fleet, pod_name: str) -> Manifest:
         "volumeMounts": mounts,
         # Restoring a predecessor's sessions can take a while: the startup probe holds the
         # liveness probe off for up to 5 minutes; readiness gates traffic until the proxy has started.
-        "startupProbe": _http_probe("/healthz", proxy.port, period_s=2, failure_threshold=150),
+        "startupProbe": _http_probe("/healthz", proxy.port, period_s=1, failure_threshold=300),
         "readinessProbe": _http_probe("/readyz", proxy.port, period_s=5, failure_threshold=2),
         "livenessProbe": _http_probe("/healthz", proxy.port, period_s=10, failure_threshold=6, timeout_s=5),
         "securityContext": {

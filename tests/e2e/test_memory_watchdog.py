@@ -7,19 +7,24 @@ The proxies grow for real: sessions with long user messages (tens of thousands o
 leave both a live set and heap the allocator keeps. A replacement restores the live set only, so
 its RSS is lower, which is what a restart is for. The engine is the fixed-latency upstream stand-in
 (a test stand-in for SGLang), served on 127.0.0.1 as an external engine URL behind the real router.
+
+The other tests run fleets of /stats stand-ins (`rolloutfleet-stats-standin`, a test stand-in for
+the proxy image: rolloutfleet_testkit/stats_standin.py) whose reported RSS and /stats behaviour the
+test sets: proxies whose polls fail are never restarted and show in the MemoryPressure condition,
+dry run restarts nothing, and maxUnavailable bounds how many are down at once.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import shutil
-import subprocess
 import threading
 import time
 
 import httpx
 import pytest
+from operator_install import installed_operator
+from rolloutfleet_operator import watchdog
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_upstream_stub
@@ -41,28 +46,8 @@ BYTES_PER_TOKEN = 12
 
 @pytest.fixture(scope="module")
 def operator_namespace(cluster):
-    helm = str(cluster.bin_dir / "helm") if cluster.bin_dir else shutil.which("helm")
-    if cluster.kubelet is None or helm is None:
-        pytest.skip("runs the operator image through the process kubelet, installed with helm")
-    cluster.kubectl("apply", "-f", str(fleet_setup.CRDS))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s"
-    )
-    cluster.kubectl("create", "namespace", NAMESPACE)
-    args = fleet_setup.helm_install_args("wd", NAMESPACE, [NAMESPACE])
-    install = subprocess.run(
-        [helm, "--kubeconfig", cluster.kubeconfig, *args], capture_output=True, text=True, timeout=240
-    )
-    assert install.returncode == 0, install.stderr
-    try:
+    with installed_operator(cluster, NAMESPACE, "wd"):
         yield NAMESPACE
-    finally:
-        subprocess.run(
-            [helm, "--kubeconfig", cluster.kubeconfig, "uninstall", "wd", "-n", NAMESPACE],
-            capture_output=True,
-            timeout=120,
-        )
-        cluster.kubectl("delete", "namespace", NAMESPACE, "--wait=false", check=False)
 
 
 def get(cluster, *what: str) -> dict:
@@ -292,3 +277,216 @@ def test_over_budget_proxies_are_replaced_one_at_a_time_without_losing_a_turn(
         assert condition(get(cluster, "rf", FLEET)["status"], "MemoryPressure")["status"] == "True"
         assert rollouts.check_all(urls(cluster), one_more_turn=False) == (0, 0)
         cluster.kubectl("delete", "rf", FLEET, "-n", NAMESPACE)
+
+
+# --- fleets of /stats stand-ins -------------------------------------------------------------------
+
+STANDIN_IMAGE = "rolloutfleet-stats-standin:latest"
+STANDIN_RSS = 50 * MIB  # what a stand-in reports until told otherwise
+STANDIN_BUDGET = 100 * MIB
+OVER_BUDGET = 150 * MIB
+
+
+def fleet_pods(cluster, fleet: str) -> dict[str, dict]:
+    """The fleet's proxy pods by name (terminating ones included)."""
+    pods = get(cluster, "pods", "-l", f"rolloutfleet.dev/fleet={fleet},app.kubernetes.io/component=proxy")
+    return {pod["metadata"]["name"]: pod for pod in pods["items"]}
+
+
+def standin_urls(cluster, fleet: str) -> dict[str, str]:
+    return {
+        name: f"http://{pod['status']['podIP']}:8000"
+        for name, pod in fleet_pods(cluster, fleet).items()
+        if available(pod)
+    }
+
+
+def standin_control(url: str, **body) -> dict:
+    answer = httpx.post(f"{url}/standin/control", json=body, timeout=10)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def standin_state(url: str) -> dict:
+    return httpx.get(f"{url}/standin/state", timeout=10).json()
+
+
+def uids(cluster, fleet: str) -> dict[str, str]:
+    return {name: pod["metadata"]["uid"] for name, pod in fleet_pods(cluster, fleet).items()}
+
+
+def fleet_events(cluster, fleet: str) -> list[dict]:
+    return get(cluster, "events", "--field-selector", f"involvedObject.name={fleet}")["items"]
+
+
+def pressure(cluster, fleet: str) -> dict:
+    return condition(get(cluster, "rf", fleet).get("status", {}), "MemoryPressure")
+
+
+def start_standin_fleet(
+    cluster, name: str, replicas: int, memory: dict, engine_url: str, tokenizer_dir, dump_dir
+) -> dict[str, str]:
+    """A fleet whose proxies are /stats stand-ins, with the watchdog on from the start (interval
+    1 s, 2 samples); returns pod name -> URL once every proxy is available."""
+    fleet = {
+        "apiVersion": "rolloutfleet.dev/v1alpha1",
+        "kind": "RolloutFleet",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "spec": {
+            "proxy": {
+                "replicas": replicas,
+                "image": STANDIN_IMAGE,
+                # Required by the CRD; the stand-in reads neither.
+                "tokenizer": {
+                    "path": "/models/tokenizer",
+                    "volume": {"hostPath": {"path": str(tokenizer_dir)}},
+                },
+                "dump": {"hostPath": {"path": str(dump_dir)}},
+                "env": [
+                    {"name": "STANDIN_DRAIN_S", "value": "1"},
+                    {"name": "STANDIN_RSS_BYTES", "value": str(STANDIN_RSS)},
+                ],
+                "memory": {
+                    "rssBudgetBytes": STANDIN_BUDGET,
+                    "checkIntervalSeconds": 1,
+                    "consecutiveSamples": 2,
+                    **memory,
+                },
+            },
+            "gateway": {"policy": "round_robin"},
+            "externalEngineUrls": [engine_url],
+        },
+    }
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
+    return wait_for(
+        lambda: len(found := standin_urls(cluster, name)) == replicas and found,
+        timeout_s=120,
+        what=f"{replicas} stand-in proxies of {name} available",
+        interval_s=0.5,
+    )
+
+
+@pytest.fixture
+def engine_url():
+    with serve_app(create_upstream_stub(0.01, 8)) as url:
+        yield url
+
+
+def test_proxies_whose_stats_fail_are_never_restarted_and_show_in_the_condition(
+    cluster, operator_namespace, test_tokenizer_dir, tmp_path, engine_url
+):
+    name = "polls"
+    urls_by_pod = start_standin_fleet(cluster, name, 3, {}, engine_url, test_tokenizer_dir, tmp_path)
+    hung, failing, healthy = (f"{name}-proxy-{i}" for i in range(3))
+    before = uids(cluster, name)
+    # The two that cannot be polled would be over budget too, if the watchdog could see it.
+    standin_control(urls_by_pod[hung], stats="hang", rss_bytes=OVER_BUDGET)
+    standin_control(urls_by_pod[failing], stats="error", rss_bytes=OVER_BUDGET)
+    standin_control(urls_by_pod[healthy], rss_bytes=OVER_BUDGET)
+    # The one that answers is restarted; its replacement reports STANDIN_RSS again.
+    wait_for(
+        lambda: (
+            (pods := fleet_pods(cluster, name)).get(healthy, {}).get("metadata", {}).get("uid")
+            not in (None, before[healthy])
+            and available(pods[healthy])
+        ),
+        timeout_s=60,
+        what=f"{healthy} restarted and Ready",
+        interval_s=0.3,
+    )
+    # Then nothing is over budget that the watchdog can see: the condition reports the failures.
+    reported = wait_for(
+        lambda: (c := pressure(cluster, name)).get("reason") == "PollFailures" and c,
+        timeout_s=30,
+        what="MemoryPressure reason PollFailures",
+        interval_s=0.5,
+    )
+    assert reported["status"] == "Unknown"
+    assert hung in reported["message"] and failing in reported["message"], reported["message"]
+    assert healthy not in reported["message"]
+    time.sleep(3)  # a few more cycles
+    after = uids(cluster, name)
+    assert after[hung] == before[hung] and after[failing] == before[failing], "never restarted"
+    for pod in (hung, failing):
+        state = standin_state(urls_by_pod[pod])
+        assert state["stats_requests"] >= watchdog.REPORTED_POLL_FAILURES + 3, state  # still polled
+        assert state["stats_answers"] == 0
+    status = get(cluster, "rf", name)["status"]
+    assert status["memoryRestarts"]["total"] == 1
+    assert status["memoryRestarts"]["lastPod"] == healthy
+    cluster.kubectl("delete", "rf", name, "-n", NAMESPACE, "--wait=false")
+
+
+def test_dry_run_restarts_nothing_and_says_what_it_would_do(
+    cluster, operator_namespace, test_tokenizer_dir, tmp_path, engine_url
+):
+    name = "dry"
+    urls_by_pod = start_standin_fleet(
+        cluster, name, 2, {"dryRun": True}, engine_url, test_tokenizer_dir, tmp_path
+    )
+    over = f"{name}-proxy-0"
+    before = uids(cluster, name)
+    standin_control(urls_by_pod[over], rss_bytes=OVER_BUDGET, threshold_bytes=STANDIN_BUDGET)
+    reported = wait_for(
+        lambda: (c := pressure(cluster, name)).get("reason") == "OverBudget" and c,
+        timeout_s=30,
+        what="MemoryPressure reason OverBudget",
+        interval_s=0.5,
+    )
+    assert reported["status"] == "True"
+    assert "dry run" in reported["message"] and over in reported["message"], reported["message"]
+    # Several cycles past the one that would have restarted it: nothing was deleted.
+    deadline = time.monotonic() + 6
+    while time.monotonic() < deadline:
+        pods = fleet_pods(cluster, name)
+        assert {n: p["metadata"]["uid"] for n, p in pods.items()} == before
+        assert not any(p["metadata"].get("deletionTimestamp") for p in pods.values())
+        time.sleep(0.5)
+    assert len(standin_state(urls_by_pod[over])["over_threshold_at"]) >= 2 + 3  # polled all along
+    reasons = [e["reason"] for e in fleet_events(cluster, name)]
+    assert "MemoryRestartDryRun" in reasons, reasons
+    assert "MemoryRestart" not in reasons, reasons
+    assert not get(cluster, "rf", name)["status"].get("memoryRestarts")
+    cluster.kubectl("delete", "rf", name, "-n", NAMESPACE, "--wait=false")
+
+
+def test_max_unavailable_bounds_the_restarts_in_flight(
+    cluster, operator_namespace, test_tokenizer_dir, tmp_path, engine_url
+):
+    name = "maxun"
+    replicas = 4
+    urls_by_pod = start_standin_fleet(
+        cluster, name, replicas, {"maxUnavailable": 2}, engine_url, test_tokenizer_dir, tmp_path
+    )
+    before = uids(cluster, name)
+    wanted = sorted(before)
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            pods = fleet_pods(cluster, name)
+            samples.append(sum(1 for n in wanted if n not in pods or not available(pods[n])))
+            time.sleep(0.3)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        for url in urls_by_pod.values():
+            standin_control(url, rss_bytes=OVER_BUDGET)
+        wait_for(
+            lambda: (
+                (pods := fleet_pods(cluster, name))
+                and all(n in pods and pods[n]["metadata"]["uid"] != before[n] for n in wanted)
+                and all(available(pods[n]) for n in wanted)
+            ),
+            timeout_s=90,
+            what="all 4 over-budget proxies replaced and Ready",
+            interval_s=0.5,
+        )
+    finally:
+        stop.set()
+        sampler.join()
+    assert max(samples) == 2, f"never more than maxUnavailable (2) down at once: {samples}"
+    assert get(cluster, "rf", name)["status"]["memoryRestarts"]["total"] == replicas
+    cluster.kubectl("delete", "rf", name, "-n", NAMESPACE, "--wait=false")

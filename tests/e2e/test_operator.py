@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import subprocess
 import threading
 import time
 from dataclasses import dataclass
 
 import httpx
 import pytest
+from operator_install import installed_operator
 from rolloutfleet_proxy.settings import ENV
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.demo import QUESTIONS, run_session
@@ -39,36 +38,8 @@ class Operator:
 @pytest.fixture(scope="module")
 def operator(cluster):
     """The operator installed by its chart, watching one namespace."""
-    helm = str(cluster.bin_dir / "helm") if cluster.bin_dir else shutil.which("helm")
-    if cluster.kubelet is None or helm is None:
-        pytest.skip("runs the operator image through the process kubelet, installed with helm")
-    cluster.kubectl("apply", "-f", str(fleet_setup.CRDS))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s"
-    )
-    namespace = "operator-e2e"
-    cluster.kubectl("create", "namespace", namespace)
-    install = subprocess.run(
-        [
-            helm,
-            "--kubeconfig",
-            cluster.kubeconfig,
-            *fleet_setup.helm_install_args(RELEASE, namespace, [namespace]),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=fleet_setup.HELM_WAIT_S + 60,
-    )
-    assert install.returncode == 0, install.stderr
-    try:
-        yield Operator(namespace, f"{RELEASE}-rolloutfleet-operator")
-    finally:
-        subprocess.run(
-            [helm, "--kubeconfig", cluster.kubeconfig, "uninstall", RELEASE, "-n", namespace],
-            capture_output=True,
-            timeout=120,
-        )
-        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+    with installed_operator(cluster, "operator-e2e", RELEASE) as deployment:
+        yield Operator("operator-e2e", deployment)
 
 
 def get(cluster, namespace: str, *what: str) -> dict:

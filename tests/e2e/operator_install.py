@@ -1,0 +1,46 @@
+"""The operator installed with its Helm chart, for the e2e tests that need it running as a pod."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+from rolloutfleet_testkit import fleet_setup
+
+
+@contextlib.contextmanager
+def installed_operator(cluster, namespace: str, release: str) -> Iterator[str]:
+    """The CRD applied and the operator installed by its chart into `namespace`, watching it; yields
+    the operator's Deployment name. Uninstalled (and the namespace deleted) afterwards."""
+    helm = str(cluster.bin_dir / "helm") if cluster.bin_dir else shutil.which("helm")
+    if cluster.kubelet is None or helm is None:
+        pytest.skip("runs the operator image through the process kubelet, installed with helm")
+    cluster.kubectl("apply", "-f", str(fleet_setup.CRDS))
+    cluster.kubectl(
+        "wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s"
+    )
+    cluster.kubectl("create", "namespace", namespace)
+    install = subprocess.run(
+        [
+            helm,
+            "--kubeconfig",
+            cluster.kubeconfig,
+            *fleet_setup.helm_install_args(release, namespace, [namespace]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=fleet_setup.HELM_WAIT_S + 60,
+    )
+    assert install.returncode == 0, install.stderr
+    try:
+        yield f"{release}-rolloutfleet-operator"
+    finally:
+        subprocess.run(
+            [helm, "--kubeconfig", cluster.kubeconfig, "uninstall", release, "-n", namespace],
+            capture_output=True,
+            timeout=120,
+        )
+        cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
