@@ -4,6 +4,8 @@
 |-----------------------------------------|--------------------------------------------------------------|
 | `…/rolloutfleet-proxy`                  | `PROXY_PYTHON -m rolloutfleet_proxy ARGS`                    |
 | `…/rolloutfleet-operator`               | `python -m rolloutfleet_operator ARGS`                       |
+| `…/rolloutfleet-stats-standin`          | `PROXY_PYTHON -m rolloutfleet_testkit.stats_standin ARGS`    |
+| `…/rolloutfleet-rollout-example`        | `python -m rolloutfleet_client.rollout_example ARGS`         |
 | `…sglang-router…`                       | `python -m sglang_router.launch_router ROUTER-ARGS`          |
 | `lmsysorg/sglang` running the router    | same as above                                                |
 | `lmsysorg/sglang` running launch_server | `python -m rolloutfleet_testkit.refengine.server TRANSLATED` |
@@ -11,6 +13,8 @@
 
 `python` is this interpreter (`sys.executable`). PROXY_PYTHON is `$ROLLOUTFLEET_PROXY_PYTHON` when
 set (the proxy-only environment `./dev` builds, like the proxy image), else this interpreter.
+`rolloutfleet-stats-standin` is a test stand-in for the proxy image (its /stats, /healthz, /readyz
+and drain only; see rolloutfleet_testkit/stats_standin.py), for memory-watchdog tests and benchmarks.
 
 For the project's own images the image's entrypoint is the program, so `args` alone run it; a
 `command` naming the program (`rolloutfleet-proxy`, `python -m rolloutfleet_proxy`) is replaced by
@@ -148,6 +152,8 @@ def local_command(image: str, command: Sequence[str] | None, args: Sequence[str]
             "rolloutfleet_operator",
             _python,
         ),
+        "rolloutfleet-stats-standin": ("rolloutfleet_testkit.stats_standin", _proxy_python),
+        "rolloutfleet-rollout-example": ("rolloutfleet_client.rollout_example", _python),
     }
     for name, (module, python) in own.items():
         if repo == name or repo.endswith("/" + name):
