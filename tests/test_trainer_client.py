@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 from proxy_harness import ADMIN_KEY, play_session, running_proxy
-from rolloutfleet_proxy.trainer_client import FleetClient, ProxyCallError, to_torch
+from rolloutfleet_proxy.trainer_client import ProxyCallError, TrainerClient, to_torch
 from rolloutfleet_testkit.processes import free_port, serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
 
@@ -36,7 +36,7 @@ def test_pull_across_the_fleet_to_torch_and_ack(fleet):
     for proxy, turns in ((p0, 1), (p0, 2), (p1, 1), (p1, 3), (p1, 1)):
         sid, key = play_session(proxy, turns=turns, reward=float(turns))
         expected[sid] = proxy.get(sid, key).json()["trajectory"]
-    with FleetClient([p0.url, p1.url + "/"], ADMIN_KEY) as client:
+    with TrainerClient([p0.url, p1.url + "/"], ADMIN_KEY) as client:
         client.set_model_version(1)
         batches = client.pull(4)
         assert sum(b.num_trajectories for b in batches) == 4  # never more than asked for
@@ -76,7 +76,7 @@ def test_pull_waits_for_trajectories_and_pending_recovers_unacked(fleet):
         lambda: httpx.post(f"{p1.url}/v1/sessions/{sid}/finish", headers={"Authorization": f"Bearer {key}"}),
     )
     timer.start()
-    with FleetClient([p0.url, p1.url], ADMIN_KEY) as client:
+    with TrainerClient([p0.url, p1.url], ADMIN_KEY) as client:
         assert client.pull(1) == []  # nothing ready yet, no wait asked for
         (batch,) = client.pull(1, timeout_s=10, poll_interval_s=0.05)
         timer.join()
@@ -89,7 +89,7 @@ def test_pull_waits_for_trajectories_and_pending_recovers_unacked(fleet):
 
 
 def test_fleet_version_and_pause(fleet):
-    with FleetClient([p.url for p in fleet], ADMIN_KEY) as client:
+    with TrainerClient([p.url for p in fleet], ADMIN_KEY) as client:
         answers = client.set_model_version(12)
         assert {url: a["model_version"] for url, a in answers.items()} == {p.url: 12 for p in fleet}
         assert all(a["paused"] and a["generating_turns"] == 0 for a in client.pause(wait_s=1).values())
@@ -98,11 +98,14 @@ def test_fleet_version_and_pause(fleet):
 
 
 def test_errors_are_raised_not_swallowed(fleet):
-    with FleetClient([fleet[0].url], "wrong-key", retries=0) as client, pytest.raises(ProxyCallError) as err:
+    with (
+        TrainerClient([fleet[0].url], "wrong-key", retries=0) as client,
+        pytest.raises(ProxyCallError) as err,
+    ):
         client.pull(1)
     assert err.value.status == 401 and err.value.code == "unauthorized"
     dead = f"http://127.0.0.1:{free_port()}"
-    with FleetClient([dead, fleet[0].url], ADMIN_KEY, retries=0) as client:
+    with TrainerClient([dead, fleet[0].url], ADMIN_KEY, retries=0) as client:
         play_session(fleet[0])
         (batch,) = client.pull(5)  # an unreachable proxy is skipped, the others still serve
         with pytest.raises(ProxyCallError, match="unreachable"):
@@ -118,3 +121,13 @@ def test_proxy_server_imports_neither_torch_nor_the_client():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False", "False"]
+
+
+def test_from_fleet_status_takes_the_ready_proxies_of_the_fleet():
+    fleet = {"status": {"proxyEndpoints": ["http://a:8000", "http://b:8000/"]}}
+    with TrainerClient.from_fleet_status(fleet, ADMIN_KEY) as client:
+        assert client.proxy_urls == ["http://a:8000", "http://b:8000"]
+    with TrainerClient.from_fleet_status(fleet["status"], ADMIN_KEY) as client:
+        assert len(client.proxy_urls) == 2
+    with pytest.raises(ValueError, match="no proxyEndpoints"):
+        TrainerClient.from_fleet_status({"status": {"proxyEndpoints": []}}, ADMIN_KEY)

@@ -162,7 +162,7 @@ async def run_rollouts(
 def export_and_ack(admin_key: str, outcomes: list[Outcome]) -> dict[str, Any]:
     """Export exactly this rollout's finished sessions from their owners and acknowledge the batches
     (synchronous: run it in a thread)."""
-    from rolloutfleet_proxy.trainer_client import FleetClient as TrainerClient
+    from rolloutfleet_proxy.trainer_client import TrainerClient
 
     by_owner: dict[str, list[str]] = {}
     for o in outcomes:

@@ -1,8 +1,8 @@
 """Trainer-side client for a fleet of proxies: pull finished trajectories, make torch tensors, ack.
 
-    from rolloutfleet_proxy.trainer_client import FleetClient, to_torch
+    from rolloutfleet_proxy.trainer_client import TrainerClient, to_torch
 
-    with FleetClient(fleet_status["proxyEndpoints"], admin_key) as fleet:
+    with TrainerClient.from_fleet_status(fleet_status, admin_key) as fleet:
         batches = fleet.pull(256, timeout_s=30)      # up to 256 trajectories across the proxies
         tensors = to_torch(batches)                  # padded [B, T] tensors with attention_mask
         train_step(tensors)
@@ -89,7 +89,7 @@ def _error_of(response: httpx.Response) -> tuple[str, str]:
         return "http_error", response.text[:300]
 
 
-class FleetClient:
+class TrainerClient:
     """Synchronous client for one or many proxies (a fleet's `status.proxyEndpoints`).
 
     Calls that are safe to repeat are retried on connection failures and on 503 (a proxy draining
@@ -119,11 +119,21 @@ class FleetClient:
         self._backoff_s = retry_backoff_s
         self._next_proxy = 0  # pulls start at a rotating proxy, so none is always asked last
 
+    @classmethod
+    def from_fleet_status(cls, status: dict[str, Any], admin_key: str, **kwargs: Any) -> TrainerClient:
+        """For every proxy the fleet lists as ready: `status` is the RolloutFleet's status (or the
+        whole object, as `kubectl get rolloutfleet NAME -o json` prints it)."""
+        status = status.get("status", status)
+        endpoints = status.get("proxyEndpoints") or []
+        if not endpoints:
+            raise ValueError("the fleet's status lists no proxyEndpoints (no proxy is Ready yet)")
+        return cls(endpoints, admin_key, **kwargs)
+
     def close(self) -> None:
         if self._owns_client:
             self._client.close()
 
-    def __enter__(self) -> FleetClient:
+    def __enter__(self) -> TrainerClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -308,4 +318,4 @@ def to_torch(
     return tensors
 
 
-__all__ = ["FleetClient", "ProxyCallError", "PulledBatch", "to_torch"]
+__all__ = ["ProxyCallError", "PulledBatch", "TrainerClient", "to_torch"]
