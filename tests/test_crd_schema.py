@@ -52,8 +52,15 @@ def test_every_schema_node_uses_only_schema_keywords():
     assert not stray, f"keys that are not schema keywords: {stray}"
 
 
-def test_every_spec_field_is_documented_or_obvious():
+def test_every_field_has_a_description_for_kubectl_explain():
     crd = yaml.safe_load(CRD.read_text())
-    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
-    for section in ("proxy", "gateway", "engines"):
-        assert spec["properties"][section].get("description"), section
+    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    undocumented = [
+        path
+        for section in ("spec", "status")
+        for path, node in schema_nodes(root["properties"][section], section)
+        if path.rsplit(".", 1)[-1] not in ("[]", "{}")
+        and not path.endswith(("[]", "{}"))
+        and not node.get("description")
+    ]
+    assert not undocumented, f"fields kubectl explain would show without a description: {undocumented}"
