@@ -1011,3 +1011,26 @@ def test_switching_to_external_engines_makes_the_engine_deployment_unwanted():
     assert manifests.unwanted_children(parse_fleet(external)) == [
         ("apps/v1", "Deployment", "gpu-fleet-engine")
     ]
+
+
+def _pod_with(ready: bool, phase: str = "Running") -> dict[str, Any]:
+    condition = {"type": "Ready", "status": "True" if ready else "False"}
+    return {"metadata": {"name": "p"}, "status": {"phase": phase, "conditions": [condition]}}
+
+
+@pytest.mark.parametrize(
+    ("event_type", "pod", "was_ready", "needed"),
+    [
+        ("DELETED", _pod_with(True), True, True),
+        ("MODIFIED", _pod_with(False, "Failed"), False, True),
+        ("MODIFIED", _pod_with(True), False, True),  # became Ready: a roll may go on
+        ("MODIFIED", _pod_with(False), True, True),  # lost readiness: the status should say so
+        ("MODIFIED", _pod_with(True), True, False),  # nothing that matters changed
+        (None, _pod_with(True), None, False),  # the first listing: the resume pass covers it
+        ("ADDED", _pod_with(False, "Pending"), None, False),
+    ],
+)
+def test_pod_event_needs_pass(event_type, pod, was_ready, needed):
+    from rolloutfleet_operator.plan import pod_event_needs_pass
+
+    assert pod_event_needs_pass(event_type, pod, was_ready) is needed

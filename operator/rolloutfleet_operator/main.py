@@ -16,6 +16,7 @@ from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER
 from .fleet_loop import FleetLoops
 from .kubeapi import KubeApi, load_configuration, resource_path
 from .memory_watchdog import FleetWatchdog
+from .plan import is_ready, pod_event_needs_pass
 from .reconcile import Reconciler
 
 GROUP, VERSION, PLURAL = "rolloutfleet.dev", "v1alpha1", "rolloutfleets"
@@ -24,6 +25,7 @@ log = logging.getLogger("rolloutfleet.operator")
 
 _reconciler: Reconciler | None = None
 _loops: FleetLoops | None = None
+_pod_readiness: dict[str, bool] = {}  # proxy pod uid -> Ready as last seen
 # Watching listed namespaces only: kopf need not (and, least-privileged, cannot) list namespaces.
 _static_namespaces = False
 
@@ -79,10 +81,15 @@ async def on_change(body: kopf.Body, logger: kopf.Logger, **_) -> None:
 
 @kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER, COMPONENT_LABEL: "proxy"})
 async def on_proxy_pod_event(event: dict, body: kopf.Body, logger: kopf.Logger, **_) -> None:
-    """A proxy pod that is gone or failed is replaced now, not at the next periodic pass (the
-    memory watchdog's restarts are measured from breach to replacement Ready)."""
-    phase = (body.get("status") or {}).get("phase")
-    if event.get("type") != "DELETED" and phase != "Failed":
+    """A proxy pod that is gone or failed is replaced now, and a readiness change is reflected now
+    (status, rolls), not at the next periodic pass."""
+    uid = body["metadata"]["uid"]
+    was_ready = _pod_readiness.get(uid)
+    if event.get("type") == "DELETED":
+        _pod_readiness.pop(uid, None)
+    else:
+        _pod_readiness[uid] = is_ready(body)
+    if not pod_event_needs_pass(event.get("type"), body, was_ready):
         return
     assert _reconciler is not None
     namespace, fleet_name = (

@@ -63,6 +63,21 @@ class ProxyPodView:
         return not self.deleting and not self.down
 
 
+def pod_event_needs_pass(event_type: str | None, pod: Mapping[str, Any], was_ready: bool | None) -> bool:
+    """Whether a proxy pod's watch event should run its fleet's pass at once rather than at the next
+    periodic one: the pod is gone or Failed (replace it now), or its readiness changed (a roll
+    waits for it, and the status should say so). `was_ready` is the readiness last seen for this
+    pod (None: never seen, e.g. the operator's first listing, which the resume pass covers)."""
+    if event_type == "DELETED" or (pod.get("status") or {}).get("phase") == "Failed":
+        return True
+    return was_ready is not None and is_ready(pod) != was_ready
+
+
+def is_ready(pod: Mapping[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or ()
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 def proxy_pod_view(pod: Mapping[str, Any], ordinal: int, container: str = "proxy") -> ProxyPodView:
     """The view of a pod as the API returns it (camelCase dict); the caller gives the ordinal
     (parsed from the name with `fleet.proxy_ordinal`)."""
