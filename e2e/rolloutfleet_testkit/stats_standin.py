@@ -39,14 +39,14 @@ import time
 from collections.abc import Generator
 from typing import Any
 
+from .asgi import lifespan, read_body, send_json
+
 STATS_MODES = ("ok", "hang", "error")
 # A hung /stats answers after this long at the latest (or as soon as the mode changes), so hung
 # requests do not pile up for the stand-in's whole life.
 HANG_CAP_S = 120.0
 MAX_RECORDED = 100
 DEFAULT_DRAIN_S = 1.0
-
-_JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
 def real_rss_bytes() -> int:
@@ -141,36 +141,36 @@ class StatsStandin:
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
         if path == "/standin/control":
             if method != "POST":
-                await _send_json(send, 405, {"error": "use POST"})
+                await send_json(send, 405, {"error": "use POST"})
                 return
             try:
-                self.control(json.loads(await _read_body(receive) or b"{}"))
+                self.control(json.loads(await read_body(receive) or b"{}"))
             except ValueError as exc:  # json.JSONDecodeError is a ValueError
-                await _send_json(send, 400, {"error": str(exc)})
+                await send_json(send, 400, {"error": str(exc)})
                 return
-            await _send_json(send, 200, self.state())
+            await send_json(send, 200, self.state())
         elif method != "GET":
-            await _send_json(send, 405, {"error": "use GET"})
+            await send_json(send, 405, {"error": "use GET"})
         elif path == "/healthz":
-            await _send_json(send, 200, {"status": "ok"})
+            await send_json(send, 200, {"status": "ok"})
         elif path == "/readyz":
             if self.draining:
-                await _send_json(send, 503, {"status": "draining"})
+                await send_json(send, 503, {"status": "draining"})
             else:
-                await _send_json(send, 200, {"status": "ready"})
+                await send_json(send, 200, {"status": "ready"})
         elif path == "/stats":
             await self._stats(send)
         elif path == "/standin/state":
-            await _send_json(send, 200, self.state())
+            await send_json(send, 200, self.state())
         else:
-            await _send_json(send, 404, {"error": f"no route {path}"})
+            await send_json(send, 404, {"error": f"no route {path}"})
 
     async def _stats(self, send) -> None:
         self.stats_requests += 1
@@ -180,36 +180,9 @@ class StatsStandin:
                     while self.stats_mode == "hang":
                         await self._mode_changed.wait()
         if self.stats_mode == "error":
-            await _send_json(send, 500, {"error": "stand-in told to fail /stats"})
+            await send_json(send, 500, {"error": "stand-in told to fail /stats"})
             return
-        await _send_json(send, 200, self.stats_document())
-
-
-async def _read_body(receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks)
-
-
-async def _send_json(send, status: int, payload: object) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
-    await send({"type": "http.response.body", "body": json.dumps(payload).encode()})
-
-
-async def _lifespan(receive, send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+        await send_json(send, 200, self.stats_document())
 
 
 async def serve(app: StatsStandin, host: str, port: int, drain_s: float) -> None:

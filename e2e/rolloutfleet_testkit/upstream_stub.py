@@ -15,11 +15,11 @@ import uuid
 
 import orjson
 
+from .asgi import lifespan, read_body, send_json
+
 SERVED_MODEL_NAME = "rolloutfleet-upstream-stub"
 # Every stub token gets this logprob (the stub has no model; a constant is easy to check).
 TOKEN_LOGPROB = -0.5
-
-_JSON_HEADERS = [(b"content-type", b"application/json")]
 
 
 def stub_answer(body: object, output_tokens: int, token_id: int, latency_s: float) -> dict:
@@ -75,67 +75,40 @@ class UpstreamStub:
 
     async def __call__(self, scope: dict, receive, send) -> None:
         if scope["type"] == "lifespan":
-            await _lifespan(receive, send)
+            await lifespan(receive, send)
             return
         if scope["type"] != "http":
             return
         method, path = scope["method"], scope["path"]
         if path == "/generate":
             if method != "POST":
-                await _send_json(send, 405, {"error": {"message": "use POST"}})
+                await send_json(send, 405, {"error": {"message": "use POST"}})
                 return
-            await self._generate(await _read_body(receive), send)
+            await self._generate(await read_body(receive), send)
             return
         if method != "GET":
-            await _send_json(send, 405, {"error": {"message": "use GET"}})
+            await send_json(send, 405, {"error": {"message": "use GET"}})
         elif path in ("/health", "/health_generate"):
-            await _send_json(send, 200, {})
+            await send_json(send, 200, {})
         elif path in ("/model_info", "/get_model_info", "/server_info", "/get_server_info"):
-            await _send_json(send, 200, self._info(scope))
+            await send_json(send, 200, self._info(scope))
         elif path == "/stats":
-            await _send_json(send, 200, {"requests": self.requests})
+            await send_json(send, 200, {"requests": self.requests})
         else:
-            await _send_json(send, 404, {"error": {"message": f"no route {path}"}})
+            await send_json(send, 404, {"error": {"message": f"no route {path}"}})
 
     async def _generate(self, raw: bytes, send) -> None:
         try:
             answer = stub_answer(orjson.loads(raw), self.output_tokens, self.token_id, self.latency_s)
         except (orjson.JSONDecodeError, ValueError) as exc:
-            await _send_json(send, 400, {"error": {"message": str(exc)}})
+            await send_json(send, 400, {"error": {"message": str(exc)}})
             return
         started = time.perf_counter()
         if self.latency_s > 0:
             await asyncio.sleep(self.latency_s)
         answer["meta_info"]["e2e_latency"] = time.perf_counter() - started
         self.requests += 1
-        await _send_json(send, 200, answer)
-
-
-async def _read_body(receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            break
-    return b"".join(chunks)
-
-
-async def _send_json(send, status: int, payload: object) -> None:
-    await send({"type": "http.response.start", "status": status, "headers": _JSON_HEADERS})
-    await send({"type": "http.response.body", "body": orjson.dumps(payload)})
-
-
-async def _lifespan(receive, send) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "lifespan.startup":
-            await send({"type": "lifespan.startup.complete"})
-        elif message["type"] == "lifespan.shutdown":
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+        await send_json(send, 200, answer)
 
 
 def create_app(latency_s: float, output_tokens: int, token_id: int = 42) -> UpstreamStub:
