@@ -52,11 +52,9 @@ def upstream_stub(work: Path, latency_s: float, output_tokens: int) -> Iterator[
         yield f"http://127.0.0.1:{port}", psutil.Process(stub.pid)
 
 
-@contextlib.contextmanager
-def proxy_process(work: Path, upstream_url: str, *flags: str) -> Iterator[tuple[str, psutil.Process]]:
-    """The proxy as it runs in its image: its own process, proxy-only environment when available."""
-    port = free_port()
-    args = proxy_command(
+def proxy_args(work: Path, port: int, upstream_url: str, *flags: str) -> list[str]:
+    """The command line of a benchmarked proxy on 127.0.0.1:`port`, with its own dump directory."""
+    return proxy_command(
         "--host",
         "127.0.0.1",
         "--port",
@@ -69,6 +67,13 @@ def proxy_process(work: Path, upstream_url: str, *flags: str) -> Iterator[tuple[
         str(work / f"dumps-{port}"),
         *flags,
     )
+
+
+@contextlib.contextmanager
+def proxy_process(work: Path, upstream_url: str, *flags: str) -> Iterator[tuple[str, psutil.Process]]:
+    """The proxy as it runs in its image: its own process, proxy-only environment when available."""
+    port = free_port()
+    args = proxy_args(work, port, upstream_url, *flags)
     with ServerProcess(
         args, work / f"proxy-{port}.log", env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY}
     ) as proxy:

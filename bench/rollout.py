@@ -36,12 +36,12 @@ from common import (
     IMAGES,
     cpu_seconds,
     progress,
+    proxy_args,
     save_figure,
     save_result,
-    tokenizer_dir,
     upstream_stub,
 )
-from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, python_module
+from rolloutfleet_testkit.processes import ServerProcess, free_port, python_module
 
 
 @contextlib.contextmanager
@@ -52,20 +52,7 @@ def fleet(work: Path, size: int, upstream_url: str) -> Iterator[list[tuple[str, 
         for _ in range(size):
             port = free_port()
             url = f"http://127.0.0.1:{port}"
-            args = proxy_command(
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--public-url",
-                url,
-                "--upstream-url",
-                upstream_url,
-                "--tokenizer-path",
-                str(tokenizer_dir()),
-                "--dump-dir",
-                str(work / f"dumps-{port}"),
-            )
+            args = proxy_args(work, port, upstream_url, "--public-url", url)
             log = work / f"proxy-{port}.log"
             started.append((url, ServerProcess(args, log, env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY})))
         for url, process in started:

@@ -47,9 +47,12 @@ import httpx
 import psutil
 from common import IMAGES, progress, save_figure, save_result, tokenizer_dir, upstream_stub
 from prometheus_client.parser import text_string_to_metric_families
+from rolloutfleet_operator.kubeapi import KubeApi, load_configuration, resource_path
+from rolloutfleet_operator.plan import is_ready
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.controlplane.build import ensure_binaries
 from rolloutfleet_testkit.controlplane.cluster import down, up
+from rolloutfleet_testkit.kubectl import Kubectl
 from rolloutfleet_testkit.kubelet import ProcessKubelet
 
 NAMESPACE = "watchdog-bench"
@@ -65,75 +68,20 @@ OVER = 150 * MIB
 METRIC_PREFIX = "rolloutfleet_operator_"
 
 
-class Kubectl:
-    def __init__(self, binary: Path, kubeconfig: str):
-        self.binary, self.kubeconfig = str(binary), kubeconfig
-
-    def __call__(self, *args: str, input: str | None = None, timeout: float = 300) -> str:
-        result = subprocess.run(
-            [self.binary, "--kubeconfig", self.kubeconfig, *args],
-            capture_output=True,
-            text=True,
-            input=input,
-            timeout=timeout,
-        )
-        if result.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
-        return result.stdout
-
-    def json(self, *args: str) -> dict:
-        return json.loads(self("get", *args, "-n", NAMESPACE, "-o", "json"))
-
-
 # --- the cluster ---------------------------------------------------------------------------------
 
 
 @dataclass
 class Cluster:
     kubectl: Kubectl
-    api: httpx.Client  # the API server with the admin credentials (raw JSON, fast to poll)
+    api: KubeApi  # the API server with the admin credentials (raw JSON, fast to poll)
     operator_ip: str
 
     def pod(self, name: str) -> dict | None:
-        answer = self.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods/{name}")
-        if answer.status_code == 404:
-            return None
-        answer.raise_for_status()
-        return answer.json()
+        return self.api.get(resource_path("v1", "Pod", NAMESPACE, name))
 
     def fleet_pods(self, fleet: str) -> list[dict]:
-        selector = f"rolloutfleet.dev/fleet={fleet},app.kubernetes.io/component=proxy"
-        answer = self.api.get(f"/api/v1/namespaces/{NAMESPACE}/pods", params={"labelSelector": selector})
-        answer.raise_for_status()
-        return answer.json()["items"]
-
-
-def api_client(kubeconfig: str) -> httpx.Client:
-    """An httpx client for the API server from the admin kubeconfig (client certificate auth)."""
-    import base64
-    import ssl
-
-    import yaml
-
-    config = yaml.safe_load(Path(kubeconfig).read_text())
-    cluster = config["clusters"][0]["cluster"]
-    user = config["users"][0]["user"]
-    work = Path(tempfile.mkdtemp(prefix="rf-bench-kube-"))
-
-    def material(key: str, data_key: str, name: str) -> str:
-        if key in cluster or key in user:
-            return (cluster | user)[key]
-        path = work / name
-        path.write_bytes(base64.b64decode((cluster | user)[data_key]))
-        return str(path)
-
-    ca = material("certificate-authority", "certificate-authority-data", "ca.crt")
-    context = ssl.create_default_context(cafile=ca)
-    context.load_cert_chain(
-        material("client-certificate", "client-certificate-data", "client.crt"),
-        material("client-key", "client-key-data", "client.key"),
-    )
-    return httpx.Client(base_url=cluster["server"], verify=context, timeout=10)
+        return self.api.list("v1", "Pod", NAMESPACE, fleet_setup.component_selector(fleet, "proxy"))
 
 
 @contextlib.contextmanager
@@ -146,7 +94,7 @@ def local_cluster(work: Path) -> Iterator[Cluster]:
     try:
         progress("starting the process kubelet (pods run as local processes on 127.0.x.y)")
         kubelet = ProcessKubelet(state.kubeconfig, work / "kubelet").start()
-        kubectl = Kubectl(bin_dir / "kubectl", state.kubeconfig)
+        kubectl = Kubectl(bin_dir / "kubectl", state.kubeconfig, NAMESPACE)
         kubectl("apply", "-f", str(fleet_setup.CRDS))
         kubectl("wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s")
         kubectl("create", "namespace", NAMESPACE)
@@ -158,10 +106,13 @@ def local_cluster(work: Path) -> Iterator[Cluster]:
             capture_output=True,
             timeout=300,
         )
-        pods = json.loads(kubectl("get", "pods", "-n", NAMESPACE, "-l", OPERATOR_SELECTOR, "-o", "json"))
+        pods = kubectl.json("pods", "-l", OPERATOR_SELECTOR)
         operator_ip = pods["items"][0]["status"]["podIP"]
-        with api_client(state.kubeconfig) as api:
+        api = KubeApi(load_configuration(state.kubeconfig))
+        try:
             yield Cluster(kubectl, api, operator_ip)
+        finally:
+            api.close()
     finally:
         progress("stopping the kubelet (pods' processes end) and the control plane")
         if kubelet is not None:
@@ -294,44 +245,31 @@ class CycleLog:
 
 
 def fleet_manifest(name: str, replicas: int, args: argparse.Namespace, work: Path, engine: str) -> dict:
-    return {
-        "apiVersion": "rolloutfleet.dev/v1alpha1",
-        "kind": "RolloutFleet",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "proxy": {
-                "replicas": replicas,
-                "image": STANDIN_IMAGE,
-                # Required by the CRD; the stand-in reads neither.
-                "tokenizer": {
-                    "path": "/models/tokenizer",
-                    "volume": {"hostPath": {"path": str(tokenizer_dir())}},
-                },
-                "dump": {"hostPath": {"path": str(work / "dumps")}},
-                "env": [
-                    {"name": "STANDIN_DRAIN_S", "value": str(args.drain_s)},
-                    {"name": "STANDIN_RSS_BYTES", "value": str(WITHIN)},
-                    {"name": "STANDIN_RSS_THRESHOLD_BYTES", "value": str(BUDGET)},
-                ],
-                "memory": {
-                    "rssBudgetBytes": BUDGET,
-                    "checkIntervalSeconds": args.interval_s,
-                    "consecutiveSamples": args.consecutive_samples,
-                    "maxUnavailable": 1,
-                    "cooldownSeconds": 600,
-                },
-            },
-            "gateway": {"policy": "round_robin"},
-            "externalEngineUrls": [engine],
+    return fleet_setup.external_fleet(
+        name,
+        NAMESPACE,
+        tokenizer_dir(),  # required by the CRD; the stand-in reads neither it nor the dumps
+        engine,
+        replicas,
+        image=STANDIN_IMAGE,
+        dump={"hostPath": {"path": str(work / "dumps")}},
+        env=[
+            {"name": "STANDIN_DRAIN_S", "value": str(args.drain_s)},
+            {"name": "STANDIN_RSS_BYTES", "value": str(WITHIN)},
+            {"name": "STANDIN_RSS_THRESHOLD_BYTES", "value": str(BUDGET)},
+        ],
+        memory={
+            "rssBudgetBytes": BUDGET,
+            "checkIntervalSeconds": args.interval_s,
+            "consecutiveSamples": args.consecutive_samples,
+            "maxUnavailable": 1,
+            "cooldownSeconds": 600,
         },
-    }
+    )
 
 
 def ready(pod: dict | None) -> bool:
-    if not pod or pod["metadata"].get("deletionTimestamp"):
-        return False
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
+    return bool(pod) and not pod["metadata"].get("deletionTimestamp") and is_ready(pod)
 
 
 def ready_since(pod: dict) -> float | None:

@@ -129,7 +129,8 @@ async def test_sigterm_drains_dumps_and_successor_continues(engine_url, test_tok
         assert second.terminate() == 0
 
 
-def test_refuses_to_start_without_dump_dir(test_tokenizer_dir, tmp_path):
+def proxy_exit(tmp_path, test_tokenizer_dir, *args: str) -> tuple[int, str]:
+    """Start a proxy that is expected to refuse to start: its exit code and its log."""
     process = ServerProcess(
         proxy_command(
             "--port",
@@ -138,6 +139,7 @@ def test_refuses_to_start_without_dump_dir(test_tokenizer_dir, tmp_path):
             "http://127.0.0.1:1",
             "--tokenizer-path",
             str(test_tokenizer_dir),
+            *args,
         ),
         tmp_path / "refused.log",
         env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
@@ -145,33 +147,22 @@ def test_refuses_to_start_without_dump_dir(test_tokenizer_dir, tmp_path):
     deadline = time.monotonic() + 60
     while process.process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert process.terminate() == 2
-    assert "no dump directory" in process.log_path.read_text()
+    return process.terminate(), process.log_path.read_text()
+
+
+def test_refuses_to_start_without_dump_dir(test_tokenizer_dir, tmp_path):
+    code, log = proxy_exit(tmp_path, test_tokenizer_dir)
+    assert code == 2
+    assert "no dump directory" in log
 
 
 def test_refuses_to_start_when_the_dump_directory_is_not_writable(test_tokenizer_dir, tmp_path):
     # A file where the directory belongs (root ignores permission bits, not this).
     blocked = tmp_path / "dumps"
     blocked.write_text("not a directory")
-    process = ServerProcess(
-        proxy_command(
-            "--port",
-            str(free_port()),
-            "--upstream-url",
-            "http://127.0.0.1:1",
-            "--tokenizer-path",
-            str(test_tokenizer_dir),
-            "--dump-dir",
-            str(blocked),
-        ),
-        tmp_path / "unwritable.log",
-        env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
-    )
-    deadline = time.monotonic() + 60
-    while process.process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert process.terminate() == 3
-    assert f"the dump directory {blocked} is not writable" in process.log_path.read_text()
+    code, log = proxy_exit(tmp_path, test_tokenizer_dir, "--dump-dir", str(blocked))
+    assert code == 3
+    assert f"the dump directory {blocked} is not writable" in log
     assert blocked.read_text() == "not a directory"
 
 

@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from rolloutfleet_operator.plan import is_ready
 
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.controlplane.build import ensure_binaries
 from rolloutfleet_testkit.controlplane.cluster import down, up
 from rolloutfleet_testkit.demo import QUESTIONS, run_session, step
+from rolloutfleet_testkit.kubectl import Kubectl
 from rolloutfleet_testkit.kubelet import ProcessKubelet
 from rolloutfleet_testkit.processes import wait_until_routed
 from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
@@ -39,27 +41,6 @@ FLEET = "gpu-fleet"  # the sample's own name
 PROXIES, ENGINES, SCALED = 2, 2, 3
 READY_TIMEOUT_S = 420  # first start of torch engines on two shared cores
 REPAIR_TIMEOUT_S = 180
-
-
-class Kubectl:
-    def __init__(self, binary: Path, kubeconfig: str):
-        self.binary, self.kubeconfig = str(binary), kubeconfig
-
-    def __call__(self, *args: str, input: str | None = None, check: bool = True) -> str:
-        result = subprocess.run(
-            [self.binary, "--kubeconfig", self.kubeconfig, *args],
-            capture_output=True,
-            text=True,
-            input=input,
-            timeout=120,
-        )
-        if check and result.returncode != 0:
-            raise RuntimeError(f"kubectl {' '.join(args)}: {result.stderr.strip()}")
-        return result.stdout if result.returncode == 0 else ""
-
-    def json(self, *args: str, check: bool = True) -> dict[str, Any]:
-        out = self("get", *args, "-n", NAMESPACE, "-o", "json", check=check)
-        return json.loads(out) if out else {}
 
 
 class Clock:
@@ -243,11 +224,6 @@ def show_fleet(clock: Clock, kubectl: Kubectl, urls: dict[str, str]) -> list[dic
     return events
 
 
-def pod_ready(pod: dict[str, Any]) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-
 def live_session(url: str, key: str) -> tuple[str, str, dict[str, Any]]:
     """A live (unfinished) session with one turn on the proxy at `url`: id, key, recorded state."""
     sid, session_key = fleet_setup.create_session(url, key)
@@ -266,7 +242,7 @@ def repair(clock: Clock, kubectl: Kubectl, urls: dict[str, str], key: str) -> No
     kubectl("delete", "pod", name, "-n", NAMESPACE, "--wait=false")
 
     def probe() -> tuple[Any, str]:
-        pod = kubectl.json("pod", name, check=False)
+        pod = kubectl.json("pod", name, missing_ok=True)
         status = fleet_status(kubectl)
         replaced = bool(pod) and pod["metadata"]["uid"] != uid
         if not pod:
@@ -274,8 +250,8 @@ def repair(clock: Clock, kubectl: Kubectl, urls: dict[str, str], key: str) -> No
         elif not replaced:
             state = "terminating (draining, dumping its sessions)"
         else:
-            state = f"replacement {pod.get('status', {}).get('phase', 'Pending')}, ready={pod_ready(pod)}"
-        done = replaced and pod_ready(pod) and fleet_setup.fleet_ready(status, PROXIES)
+            state = f"replacement {pod.get('status', {}).get('phase', 'Pending')}, ready={is_ready(pod)}"
+        done = replaced and is_ready(pod) and fleet_setup.fleet_ready(status, PROXIES)
         return done, f"{name}: {state}; {status_line(status, PROXIES)}"
 
     wait_until(clock, f"{name} to come back", probe, REPAIR_TIMEOUT_S)
@@ -325,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     clock.step("starting the local control plane")
     try:
         state = up(work / "cluster")
-        kubectl = Kubectl(bin_dir / "kubectl", state.kubeconfig)
+        kubectl = Kubectl(bin_dir / "kubectl", state.kubeconfig, NAMESPACE)
         clock.step("starting the process kubelet (a CPU node and a GPU node; pods run as local processes)")
         kubelet = ProcessKubelet(state.kubeconfig, work / "kubelet").start()
         try:

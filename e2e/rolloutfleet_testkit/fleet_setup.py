@@ -62,6 +62,29 @@ def local_fleet(
     return fleet
 
 
+def external_fleet(
+    name: str,
+    namespace: str,
+    tokenizer_dir: str | Path,
+    engine_url: str,
+    replicas: int,
+    **proxy: Any,
+) -> dict[str, Any]:
+    """A fleet in front of an engine served outside the cluster (a stand-in on 127.0.0.1), routed
+    round-robin with `--worker-urls`; `proxy` adds to spec.proxy (dump, memory, image, env, …)."""
+    tokenizer = {"path": "/models/tokenizer", "volume": {"hostPath": {"path": str(tokenizer_dir)}}}
+    return {
+        "apiVersion": "rolloutfleet.dev/v1alpha1",
+        "kind": "RolloutFleet",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {
+            "proxy": {"replicas": replicas, "tokenizer": tokenizer, **proxy},
+            "gateway": {"policy": "round_robin"},
+            "externalEngineUrls": [engine_url],
+        },
+    }
+
+
 def helm_install_args(
     release: str, namespace: str, watch_namespaces: list[str], extra: dict[str, str] | None = None
 ) -> list[str]:

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
@@ -32,16 +31,6 @@ MAX_POLL_TIMEOUT_S = 5.0
 
 class EventSink(Protocol):
     def __call__(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
-
-
-@dataclass
-class CycleReport:
-    """What one cycle did (for logs, tests and the benchmark)."""
-
-    polled: int = 0
-    decision: watchdog.Decision | None = None
-    restarted: list[str] = field(default_factory=list)
-    status_written: bool = False
 
 
 def poll_timeout(check_interval_s: float) -> float:
@@ -91,17 +80,16 @@ class FleetWatchdog:
         self._requests += 1
         return await asyncio.to_thread(fn, *args)
 
-    async def cycle(self, fleet: Fleet) -> CycleReport:
+    async def cycle(self, fleet: Fleet) -> None:
         self._requests = 0
         try:
-            return await self._cycle(fleet)
+            await self._cycle(fleet)
         finally:
             metrics.WATCHDOG_CYCLES.labels(fleet.namespace, fleet.name).inc()
             metrics.WATCHDOG_API_REQUESTS.labels(fleet.namespace, fleet.name).inc(self._requests)
 
-    async def _cycle(self, fleet: Fleet) -> CycleReport:
+    async def _cycle(self, fleet: Fleet) -> None:
         spec = fleet.proxy.memory
-        report = CycleReport()
         pods: list[dict[str, Any]] = []
         samples: dict[str, watchdog.Sample] = {}
         if spec.enabled:  # off: no list and no polls, only the condition saying so
@@ -116,7 +104,6 @@ class FleetWatchdog:
                 views[name] = proxy_pod_view(pod, ordinal)
         if spec.enabled:
             targets = poll_targets(pods, views, fleet.proxy.port)
-            report.polled = len(targets)
             metrics.WATCHDOG_POLLS.labels(fleet.namespace, fleet.name).inc(len(targets))
             samples = await poll_stats(
                 targets,
@@ -137,16 +124,13 @@ class FleetWatchdog:
         wanted = {f"{fleet.name}-proxy-{i}" for i in range(fleet.proxy.replicas)}
         self.state = watchdog.retain(self.state, wanted)
         decision = watchdog.decide(self.state, list(views.values()), now, spec, desired=fleet.proxy.replicas)
-        report.decision = decision
         restarts = []
         for restart in decision.restart:
             if await self._restart(fleet, by_name[restart.pod], restart):
                 self.state = watchdog.record_restart(self.state, restart.pod, restart.rss_bytes, now, spec)
                 restarts.append((restart, self._now_rfc3339()))
-                report.restarted.append(restart.pod)
         self._report_holds(fleet, by_name, decision, now)
-        report.status_written = await self._write_status(fleet, decision, restarts)
-        return report
+        await self._write_status(fleet, decision, restarts)
 
     def _record_samples(self, fleet: Fleet, samples: Mapping[str, watchdog.Sample]) -> None:
         for pod in self._rss_series - set(samples):  # no series for pods that are gone or not polled
@@ -202,11 +186,11 @@ class FleetWatchdog:
 
     async def _write_status(
         self, fleet: Fleet, decision: watchdog.Decision, restarts: list[tuple[watchdog.Restart, str]]
-    ) -> bool:
+    ) -> None:
         async with self.status_lock:
             current = await self._call(self.api.get, _fleet_path(fleet))
             if current is None:
-                return False
+                return
             status = current.get("status") or {}
             update: dict[str, Any] = {}
             conditions = watchdog.with_memory_condition(
@@ -220,9 +204,8 @@ class FleetWatchdog:
             if memory_restarts != status.get("memoryRestarts"):
                 update["memoryRestarts"] = memory_restarts
             if not update:
-                return False
+                return
             await self._call(self.api.patch, _fleet_path(fleet) + "/status", {"status": update})
-            return True
 
 
 def _fleet_path(fleet: Fleet) -> str:

@@ -83,9 +83,7 @@ def proxy_pod_view(pod: Mapping[str, Any], ordinal: int, container: str = "proxy
     (parsed from the name with `fleet.proxy_ordinal`)."""
     metadata = pod.get("metadata") or {}
     status = pod.get("status") or {}
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or ()
-    )
+    ready = is_ready(pod)
     restarts = 0
     waiting = None
     for entry in status.get("containerStatuses") or ():

@@ -40,7 +40,6 @@ class PassResult:
     deleted: list[tuple[str, str]] = field(default_factory=list)  # (pod, reason)
     deleted_children: list[str] = field(default_factory=list)  # "Kind/name" no longer wanted
     failures: list[str] = field(default_factory=list)
-    status_changed: bool = False
 
 
 class Reconciler:
@@ -93,7 +92,6 @@ class Reconciler:
         status = fleet_status(fleet, observed, now_rfc3339(), previous.get("conditions") or [])
         if _status_differs(previous, status):
             await self._call(self.api.patch, path + "/status", {"status": status})
-            result.status_changed = True
         return result
 
     async def _prune(self, fleet: Fleet, result: PassResult) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rolloutfleet_testkit.kubectl import Kubectl
 
 
 @dataclass
@@ -32,14 +33,8 @@ class Cluster:
     def kubectl(
         self, *args: str, check: bool = True, input: str | None = None
     ) -> subprocess.CompletedProcess:
-        kubectl = str(self.bin_dir / "kubectl") if self.bin_dir else shutil.which("kubectl")
-        result = subprocess.run(
-            [kubectl, "--kubeconfig", self.kubeconfig, *args],
-            capture_output=True,
-            text=True,
-            input=input,
-            timeout=60,
-        )
+        binary = str(self.bin_dir / "kubectl") if self.bin_dir else shutil.which("kubectl")
+        result = Kubectl(binary, self.kubeconfig, timeout_s=60).run(*args, input=input)
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
         return result

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from operator_install import installed_operator
+from rolloutfleet_operator.plan import is_ready
+from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_upstream_stub
 from waiting import wait_for
@@ -43,16 +45,11 @@ def proxy_pods(cluster) -> dict[str, dict]:
     return {p["metadata"]["name"]: p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")}
 
 
-def ready(pod: dict) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-
-
 def fleet_ready(cluster, replicas: int = REPLICAS) -> bool:
     status = get(cluster, "rf", FLEET).get("status", {})
     conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
     pods = proxy_pods(cluster)
-    return conditions.get("Ready") == "True" and len(pods) == replicas and all(map(ready, pods.values()))
+    return conditions.get("Ready") == "True" and len(pods) == replicas and all(map(is_ready, pods.values()))
 
 
 def start_rollout(cluster, harness, work: Path, name: str, sessions: int, turns: int) -> Path:
@@ -112,26 +109,17 @@ def test_sessions_ride_through_proxy_replacement_and_lost_ones_are_named(
     harness = cluster.kubelet
     dumps = tmp_path / "dumps"
     with serve_app(create_upstream_stub(TURN_LATENCY_S, 8)) as engine_url:
-        fleet = {
-            "apiVersion": "rolloutfleet.dev/v1alpha1",
-            "kind": "RolloutFleet",
-            "metadata": {"name": FLEET, "namespace": NAMESPACE},
-            "spec": {
-                "proxy": {
-                    "replicas": REPLICAS,
-                    "tokenizer": {
-                        "path": "/models/tokenizer",
-                        "volume": {"hostPath": {"path": str(test_tokenizer_dir)}},
-                    },
-                    "dump": {"hostPath": {"path": str(dumps)}},
-                    "drainGraceSeconds": 10,
-                    "terminationGracePeriodSeconds": 30,
-                    "memory": {"checkIntervalSeconds": 1, "consecutiveSamples": 1, "cooldownSeconds": 600},
-                },
-                "gateway": {"policy": "round_robin"},
-                "externalEngineUrls": [engine_url],
-            },
-        }
+        fleet = fleet_setup.external_fleet(
+            FLEET,
+            NAMESPACE,
+            test_tokenizer_dir,
+            engine_url,
+            REPLICAS,
+            dump={"hostPath": {"path": str(dumps)}},
+            drainGraceSeconds=10,
+            terminationGracePeriodSeconds=30,
+            memory={"checkIntervalSeconds": 1, "consecutiveSamples": 1, "cooldownSeconds": 600},
+        )
         cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
         wait_for(lambda: fleet_ready(cluster), timeout_s=180, what="the fleet Ready", interval_s=1)
 

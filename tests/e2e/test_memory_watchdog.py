@@ -25,6 +25,7 @@ import httpx
 import pytest
 from operator_install import installed_operator
 from rolloutfleet_operator import watchdog
+from rolloutfleet_operator.plan import is_ready
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_upstream_stub
@@ -65,9 +66,7 @@ def proxies(cluster) -> dict[str, dict]:
 
 
 def available(pod: dict) -> bool:
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
-    return ready and not pod["metadata"].get("deletionTimestamp")
+    return is_ready(pod) and not pod["metadata"].get("deletionTimestamp")
 
 
 def stats(url: str) -> dict:
@@ -174,27 +173,18 @@ def test_over_budget_proxies_are_replaced_one_at_a_time_without_losing_a_turn(
     cluster, operator_namespace, test_tokenizer_dir, tmp_path
 ):
     with serve_app(create_upstream_stub(0.01, 8)) as engine_url:
-        fleet = {
-            "apiVersion": "rolloutfleet.dev/v1alpha1",
-            "kind": "RolloutFleet",
-            "metadata": {"name": FLEET, "namespace": NAMESPACE},
-            "spec": {
-                "proxy": {
-                    "replicas": REPLICAS,
-                    "tokenizer": {
-                        "path": "/models/tokenizer",
-                        "volume": {"hostPath": {"path": str(test_tokenizer_dir)}},
-                    },
-                    "dump": {"hostPath": {"path": str(tmp_path / "dumps")}},
-                    "drainGraceSeconds": 10,
-                    "terminationGracePeriodSeconds": 30,
-                    # Off until the proxies have grown: the budget is set from what they report.
-                    "memory": {"rssBudgetBytes": 0, "checkIntervalSeconds": 2, "consecutiveSamples": 2},
-                },
-                "gateway": {"policy": "round_robin"},
-                "externalEngineUrls": [engine_url],
-            },
-        }
+        fleet = fleet_setup.external_fleet(
+            FLEET,
+            NAMESPACE,
+            test_tokenizer_dir,
+            engine_url,
+            REPLICAS,
+            dump={"hostPath": {"path": str(tmp_path / "dumps")}},
+            drainGraceSeconds=10,
+            terminationGracePeriodSeconds=30,
+            # Off until the proxies have grown: the budget is set from what they report.
+            memory={"rssBudgetBytes": 0, "checkIntervalSeconds": 2, "consecutiveSamples": 2},
+        )
         cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
         wait_for(
             lambda: (
@@ -328,35 +318,25 @@ def start_standin_fleet(
 ) -> dict[str, str]:
     """A fleet whose proxies are /stats stand-ins, with the watchdog on from the start (interval
     1 s, 2 samples); returns pod name -> URL once every proxy is available."""
-    fleet = {
-        "apiVersion": "rolloutfleet.dev/v1alpha1",
-        "kind": "RolloutFleet",
-        "metadata": {"name": name, "namespace": NAMESPACE},
-        "spec": {
-            "proxy": {
-                "replicas": replicas,
-                "image": STANDIN_IMAGE,
-                # Required by the CRD; the stand-in reads neither.
-                "tokenizer": {
-                    "path": "/models/tokenizer",
-                    "volume": {"hostPath": {"path": str(tokenizer_dir)}},
-                },
-                "dump": {"hostPath": {"path": str(dump_dir)}},
-                "env": [
-                    {"name": "STANDIN_DRAIN_S", "value": "1"},
-                    {"name": "STANDIN_RSS_BYTES", "value": str(STANDIN_RSS)},
-                ],
-                "memory": {
-                    "rssBudgetBytes": STANDIN_BUDGET,
-                    "checkIntervalSeconds": 1,
-                    "consecutiveSamples": 2,
-                    **memory,
-                },
-            },
-            "gateway": {"policy": "round_robin"},
-            "externalEngineUrls": [engine_url],
+    fleet = fleet_setup.external_fleet(
+        name,
+        NAMESPACE,
+        tokenizer_dir,  # required by the CRD; the stand-in reads neither it nor the dumps
+        engine_url,
+        replicas,
+        image=STANDIN_IMAGE,
+        dump={"hostPath": {"path": str(dump_dir)}},
+        env=[
+            {"name": "STANDIN_DRAIN_S", "value": "1"},
+            {"name": "STANDIN_RSS_BYTES", "value": str(STANDIN_RSS)},
+        ],
+        memory={
+            "rssBudgetBytes": STANDIN_BUDGET,
+            "checkIntervalSeconds": 1,
+            "consecutiveSamples": 2,
+            **memory,
         },
-    }
+    )
     cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
     return wait_for(
         lambda: len(found := standin_urls(cluster, name)) == replicas and found,

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from operator_install import installed_operator
+from rolloutfleet_operator.plan import is_ready
 from rolloutfleet_proxy.settings import ENV
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.demo import QUESTIONS, run_session
@@ -59,22 +60,7 @@ def pod_uid(cluster, namespace: str, name: str) -> str | None:
 def test_fleet_lifecycle(cluster, operator, test_tokenizer_dir):
     namespace = operator.namespace
     with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0)) as engine_url:
-        fleet = {
-            "apiVersion": "rolloutfleet.dev/v1alpha1",
-            "kind": "RolloutFleet",
-            "metadata": {"name": "f1", "namespace": namespace},
-            "spec": {
-                "proxy": {
-                    "replicas": 2,
-                    "tokenizer": {
-                        "path": "/models/tokenizer",
-                        "volume": {"hostPath": {"path": str(test_tokenizer_dir)}},
-                    },
-                },
-                "gateway": {"policy": "round_robin"},
-                "externalEngineUrls": [engine_url],
-            },
-        }
+        fleet = fleet_setup.external_fleet("f1", namespace, test_tokenizer_dir, engine_url, replicas=2)
         cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
 
         def ready(replicas: int):
@@ -156,10 +142,7 @@ def proxy_states(cluster, namespace: str, fleet: str) -> list[tuple[str, bool, b
     pods = get(cluster, namespace, "pods", "-l", fleet_setup.component_selector(fleet, "proxy"))
     states = []
     for pod in pods["items"]:
-        ready = any(
-            c["type"] == "Ready" and c["status"] == "True"
-            for c in (pod.get("status") or {}).get("conditions") or []
-        )
+        ready = is_ready(pod)
         annotations = pod["metadata"].get("annotations") or {}
         states.append(
             (
@@ -301,22 +284,7 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
 def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster, operator, test_tokenizer_dir):
     namespace = operator.namespace
     with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0)) as engine_url:
-        fleet = {
-            "apiVersion": "rolloutfleet.dev/v1alpha1",
-            "kind": "RolloutFleet",
-            "metadata": {"name": "k1", "namespace": namespace},
-            "spec": {
-                "proxy": {
-                    "replicas": 3,
-                    "tokenizer": {
-                        "path": "/models/tokenizer",
-                        "volume": {"hostPath": {"path": str(test_tokenizer_dir)}},
-                    },
-                },
-                "gateway": {"policy": "round_robin"},
-                "externalEngineUrls": [engine_url],
-            },
-        }
+        fleet = fleet_setup.external_fleet("k1", namespace, test_tokenizer_dir, engine_url, replicas=3)
         (old,) = operator_pods(cluster, operator)
         cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
         wait_for(

@@ -20,6 +20,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from rolloutfleet_operator.plan import is_ready
+
 from .kube import Kube
 
 log = logging.getLogger("rolloutfleet.kubelet")
@@ -36,10 +38,9 @@ def _service_names(name: str, namespace: str) -> list[str]:
 def _endpoint_ip(pod: Mapping, publish_not_ready: bool) -> str | None:
     """The pod's IP when it is an endpoint: Ready (or any state, for publishNotReadyAddresses) and
     not terminating."""
-    status = pod.get("status") or {}
-    ready = any(c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions") or [])
     terminating = bool(pod["metadata"].get("deletionTimestamp"))
-    return status.get("podIP") if (ready or publish_not_ready) and not terminating else None
+    usable = (is_ready(pod) or publish_not_ready) and not terminating
+    return (pod.get("status") or {}).get("podIP") if usable else None
 
 
 def _selects(selector: Mapping[str, str], pod: Mapping) -> bool:
