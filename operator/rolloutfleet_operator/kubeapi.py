@@ -41,6 +41,11 @@ def resource_path(api_version: str, kind: str, namespace: str, name: str | None 
     return f"{path}/{name}" if name else path
 
 
+def fleet_path(namespace: str, name: str) -> str:
+    """REST path of a RolloutFleet (append /status for its status subresource)."""
+    return resource_path("rolloutfleet.dev/v1alpha1", "RolloutFleet", namespace, name)
+
+
 def object_path(obj: Mapping[str, Any]) -> str:
     meta = obj["metadata"]
     return resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])

@@ -14,7 +14,7 @@ import kopf
 from . import metrics
 from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER
 from .fleet_loop import FleetLoops
-from .kubeapi import KubeApi, load_configuration, resource_path
+from .kubeapi import KubeApi, fleet_path, load_configuration
 from .memory_watchdog import FleetWatchdog
 from .plan import is_ready, pod_event_needs_pass
 from .reconcile import Reconciler
@@ -49,7 +49,7 @@ def _post_event(obj, type: str, reason: str, message: str) -> None:
     kopf.event(obj, type=type, reason=reason, message=message)
 
 
-async def _pass(body: kopf.Body, logger: kopf.Logger) -> None:
+async def _pass(body: kopf.Body) -> None:
     assert _reconciler is not None
     fleet = (body["metadata"]["namespace"], body["metadata"]["name"])
     started = time.perf_counter()
@@ -75,12 +75,12 @@ async def _pass(body: kopf.Body, logger: kopf.Logger) -> None:
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.on.resume(GROUP, VERSION, PLURAL)
-async def on_change(body: kopf.Body, logger: kopf.Logger, **_) -> None:
-    await _pass(body, logger)
+async def on_change(body: kopf.Body, **_) -> None:
+    await _pass(body)
 
 
 @kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER, COMPONENT_LABEL: "proxy"})
-async def on_proxy_pod_event(event: dict, body: kopf.Body, logger: kopf.Logger, **_) -> None:
+async def on_proxy_pod_event(event: dict, body: kopf.Body, **_) -> None:
     """A proxy pod that is gone or failed is replaced now, and a readiness change is reflected now
     (status, rolls), not at the next periodic pass."""
     uid = body["metadata"]["uid"]
@@ -98,10 +98,9 @@ async def on_proxy_pod_event(event: dict, body: kopf.Body, logger: kopf.Logger, 
     )
     if not fleet_name:
         return
-    path = resource_path(f"{GROUP}/{VERSION}", "RolloutFleet", namespace, fleet_name)
-    fleet = await asyncio.to_thread(_reconciler.api.get, path)
+    fleet = await asyncio.to_thread(_reconciler.api.get, fleet_path(namespace, fleet_name))
     if fleet is not None and not fleet["metadata"].get("deletionTimestamp"):
-        await _pass(kopf.Body(fleet), logger)
+        await _pass(kopf.Body(fleet))
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -120,7 +119,7 @@ async def _make_watchdog(key: tuple[str, str]):
 
 
 async def _background_pass(body: dict) -> None:
-    await _pass(kopf.Body(body), log)
+    await _pass(kopf.Body(body))
 
 
 @kopf.on.cleanup()

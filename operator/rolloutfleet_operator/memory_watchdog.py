@@ -18,7 +18,7 @@ import aiohttp
 
 from . import metrics, watchdog
 from .fleet import Fleet, proxy_ordinal, selector_string
-from .kubeapi import KubeApi, resource_path
+from .kubeapi import KubeApi, fleet_path, resource_path
 from .plan import ProxyPodView, proxy_pod_view
 from .reconcile import now_rfc3339 as _now_rfc3339
 from .stats_poll import poll_stats, stats_url
@@ -114,7 +114,7 @@ class FleetWatchdog:
         self._record_samples(fleet, samples)
         now = self._clock()
         if not self._seeded:
-            previous = await self._call(self.api.get, _fleet_path(fleet))
+            previous = await self._call(self.api.get, fleet_path(fleet.namespace, fleet.name))
             memory_restarts = ((previous or {}).get("status") or {}).get("memoryRestarts")
             self.state = watchdog.seed_from_status(
                 self.state, memory_restarts, now=now, wall_now=time.time(), spec=spec
@@ -188,7 +188,7 @@ class FleetWatchdog:
         self, fleet: Fleet, decision: watchdog.Decision, restarts: list[tuple[watchdog.Restart, str]]
     ) -> None:
         async with self.status_lock:
-            current = await self._call(self.api.get, _fleet_path(fleet))
+            current = await self._call(self.api.get, fleet_path(fleet.namespace, fleet.name))
             if current is None:
                 return
             status = current.get("status") or {}
@@ -205,11 +205,9 @@ class FleetWatchdog:
                 update["memoryRestarts"] = memory_restarts
             if not update:
                 return
-            await self._call(self.api.patch, _fleet_path(fleet) + "/status", {"status": update})
-
-
-def _fleet_path(fleet: Fleet) -> str:
-    return resource_path("rolloutfleet.dev/v1alpha1", "RolloutFleet", fleet.namespace, fleet.name)
+            await self._call(
+                self.api.patch, fleet_path(fleet.namespace, fleet.name) + "/status", {"status": update}
+            )
 
 
 def _as_pod(pod: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from kubernetes.client.exceptions import ApiException
 from . import metrics
 from .conditions import ObservedState, fleet_status
 from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal, selector_string
-from .kubeapi import KubeApi, resource_path
+from .kubeapi import KubeApi, fleet_path, resource_path
 from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash, unwanted_children
 from .plan import plan_proxies, proxy_pod_view
 
@@ -84,7 +84,7 @@ class Reconciler:
             metrics.FLEET_PROXIES.labels(fleet.namespace, fleet.name, state).set(count)
         # The status as stored now, not as in `body`: the memory watchdog may have set its
         # condition since, and the conditions list is written whole.
-        path = resource_path("rolloutfleet.dev/v1alpha1", "RolloutFleet", fleet.namespace, fleet.name)
+        path = fleet_path(fleet.namespace, fleet.name)
         current = await self._call(self.api.get, path)
         if current is None:
             return result  # deleted meanwhile: its children go with it
