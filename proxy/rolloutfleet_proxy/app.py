@@ -33,15 +33,12 @@ from .openai_format import (
     logprobs_content,
     parse_chat_request,
 )
+from .responses import json_response
 from .runtime import ProxyRuntime
 from .session import Session
 from .settings import ProxySettings, effective_settings
 from .stats import StatsCollector, current_rss_bytes
 from .trainer_routes import add_trainer_routes
-
-
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
 def bearer_key(request: Request) -> str | None:

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from starlette.responses import Response
 
@@ -20,16 +19,13 @@ from .export_format import MEDIA_TYPE, batch_json
 from .generation import MAX_MODEL_VERSION
 from .ids import SESSION_ID_RULE, is_valid_session_id
 from .openai_format import json_body
+from .responses import json_response
 from .runtime import ProxyRuntime
 
 MAX_EXPORT_TRAJECTORIES = 10000
 MAX_PAUSE_WAIT_S = 3600.0
 BATCH_ID_HEADER = "X-RolloutFleet-Batch-Id"
 TRAJECTORIES_HEADER = "X-RolloutFleet-Trajectories"
-
-
-def json_response(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
 def parse_export_request(body: Any) -> tuple[list[str] | None, int]:
