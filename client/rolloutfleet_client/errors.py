@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+
+def proxy_error(response: Any) -> tuple[str, str]:
+    """(code, message) of a proxy's error answer (`{"error": {"code", "message"}}`, an httpx
+    response); something readable for anything else. The trainer client uses it too."""
+    try:
+        error = response.json()["error"]
+        return str(error.get("code") or "http_error"), str(error.get("message") or "")
+    except Exception:
+        return "http_error", response.text[:300]
+
 
 class FleetClientError(RuntimeError):
     """Base class of the client's errors."""

@@ -59,6 +59,7 @@ from .errors import (
     SessionEnded,
     SessionLost,
     TurnOutcomeUnknown,
+    proxy_error,
 )
 from .http_pool import ShardedAsyncClient, SingleAsyncClient
 from .placement import LEAST_LOADED, POLICIES, choose_endpoint
@@ -97,15 +98,6 @@ class Session:
     def base_url(self) -> str:
         """The session's OpenAI base URL (`{owner}/v1/sessions/{id}`)."""
         return f"{self.owner}/v1/sessions/{self.session_id}"
-
-
-def _error_of(response: httpx.Response) -> tuple[str, str]:
-    """(code, message) of a proxy's error answer; something readable for anything else."""
-    try:
-        error = response.json()["error"]
-        return str(error.get("code") or "http_error"), str(error.get("message") or "")
-    except Exception:
-        return "http_error", response.text[:300]
 
 
 class FleetClient:
@@ -272,7 +264,7 @@ class FleetClient:
                     verdict.reason,
                 )
             return verdict, None, None
-        code, message = ("", "") if response.is_success else _error_of(response)
+        code, message = ("", "") if response.is_success else proxy_error(response)
         verdict = classify_create_answer(response.status_code, code)
         if verdict.action is Action.OK:
             return verdict, None, self._session_of(response.json(), endpoint, body.get("metadata") or {})
@@ -374,7 +366,7 @@ class FleetClient:
                     raise ProxyRequestError(url, None, "transport_error", verdict.reason, sid) from exc
                 maybe_handled = maybe_handled or verdict.maybe_handled
             else:
-                code, message = ("", "") if response.is_success else _error_of(response)
+                code, message = ("", "") if response.is_success else proxy_error(response)
                 verdict = classify_session_answer(
                     response.status_code, code, call=call, maybe_handled=maybe_handled
                 )

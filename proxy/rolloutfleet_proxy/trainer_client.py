@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
+from rolloutfleet_client.errors import proxy_error
 
 from .export_format import DecodedBatch, decode_batch
 
@@ -79,14 +80,6 @@ class PulledBatch:
                 }
             )
         return infos
-
-
-def _error_of(response: httpx.Response) -> tuple[str, str]:
-    try:
-        error = response.json()["error"]
-        return str(error["code"]), str(error["message"])
-    except Exception:
-        return "http_error", response.text[:300]
 
 
 class TrainerClient:
@@ -161,7 +154,7 @@ class TrainerClient:
 
     def _checked(self, response: httpx.Response, *ok: int) -> httpx.Response:
         if response.status_code not in ok:
-            code, message = _error_of(response)
+            code, message = proxy_error(response)
             raise ProxyCallError(str(response.request.url), response.status_code, code, message)
         return response
 
@@ -242,7 +235,7 @@ class TrainerClient:
         results = {}
         for batch in batches:
             response = self._call("POST", f"{batch.proxy_url}/v1/exports/{batch.batch_id}/ack")
-            if response.status_code == 410 and _error_of(response)[0] == ALREADY_ACKNOWLEDGED:
+            if response.status_code == 410 and proxy_error(response)[0] == ALREADY_ACKNOWLEDGED:
                 results[batch.batch_id] = False
                 continue
             self._checked(response, 200)
