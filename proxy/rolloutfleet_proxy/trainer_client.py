@@ -17,6 +17,7 @@ needs httpx (and numpy and safetensors, as the proxy does); torch is imported by
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 from rolloutfleet_client.errors import proxy_error
+from rolloutfleet_client.retry import Backoff
 
 from .export_format import DecodedBatch, decode_batch
 
@@ -98,7 +100,7 @@ class TrainerClient:
         *,
         timeout_s: float = 120.0,
         retries: int = 10,
-        retry_backoff_s: float = 0.5,
+        backoff: Backoff | None = None,
         client: httpx.Client | None = None,
     ):
         urls = [proxy_urls] if isinstance(proxy_urls, str) else list(proxy_urls)
@@ -109,7 +111,7 @@ class TrainerClient:
         self._owns_client = client is None
         self._headers = {"Authorization": f"Bearer {admin_key}"}
         self._retries = retries
-        self._backoff_s = retry_backoff_s
+        self._backoff = backoff or Backoff(initial_s=0.5)  # the rollout client's policy
         self._next_proxy = 0  # pulls start at a rotating proxy, so none is always asked last
 
     @classmethod
@@ -149,7 +151,7 @@ class TrainerClient:
             else:
                 if response.status_code != 503 or last:
                     return response
-            time.sleep(self._backoff_s * (attempt + 1))
+            time.sleep(self._backoff.delay(attempt, rand=random.random()))
         raise AssertionError("unreachable")
 
     def _checked(self, response: httpx.Response, *ok: int) -> httpx.Response:
