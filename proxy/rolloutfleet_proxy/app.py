@@ -37,7 +37,7 @@ from .responses import json_response
 from .runtime import ProxyRuntime
 from .session import Session
 from .settings import ProxySettings, effective_settings
-from .stats import StatsCollector, current_rss_bytes
+from .stats import StatsCollector, recent_rss_bytes
 from .trainer_routes import add_trainer_routes
 
 
@@ -155,7 +155,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             raise bad_request("invalid_metadata", "metadata must be a JSON object")
         if metadata and len(orjson.dumps(metadata)) > settings.max_metadata_bytes:
             raise bad_request("invalid_metadata", f"metadata exceeds {settings.max_metadata_bytes} bytes")
-        if settings.rss_soft_limit_bytes and current_rss_bytes() >= settings.rss_soft_limit_bytes:
+        if settings.rss_soft_limit_bytes and recent_rss_bytes() >= settings.rss_soft_limit_bytes:
             runtime.counters.sessions_refused_memory += 1
             raise unavailable(
                 "memory_pressure", "this proxy is near its memory budget; start the session on another one", 5

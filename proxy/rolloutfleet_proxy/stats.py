@@ -73,9 +73,16 @@ class Gauges:
 _process = psutil.Process(os.getpid())
 
 
-def current_rss_bytes() -> int:
-    """This process's resident set size (one /proc read, some microseconds)."""
-    return _process.memory_info().rss
+_rss_cache = [0.0, 0]  # [monotonic time read, bytes]
+
+
+def recent_rss_bytes(max_age_s: float = 1.0) -> int:
+    """This process's resident set size, read from /proc at most once per `max_age_s`: session
+    creations check it on the event loop, and RSS moves slowly next to them."""
+    now = time.monotonic()
+    if now - _rss_cache[0] >= max_age_s:
+        _rss_cache[:] = [now, _process.memory_info().rss]
+    return int(_rss_cache[1])
 
 
 _started = time.time()
