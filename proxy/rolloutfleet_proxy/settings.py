@@ -7,7 +7,7 @@ The operator injects these settings into proxy pods; it takes the variable names
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -32,6 +32,21 @@ class ProxySettings(BaseSettings):
     tokenizer_path: str = Field(description="Local directory of the Hugging Face tokenizer.")
     admin_key: SecretStr = Field(description="Bearer key for admin routes (creating sessions, listing).")
     model_name: str = Field("rolloutfleet", description="Model name reported in OpenAI responses.")
+    tool_call_parser: str | None = Field(
+        None,
+        description="SGLang --tool-call-parser name: tool calls in replies become OpenAI tool_calls "
+        "(qwen25, llama3, deepseekv3, gpt-oss, glm45, kimi_k2). Unset: requests with tools are refused.",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        description="SGLang --reasoning-parser name: the reasoning part of a reply becomes "
+        "message.reasoning_content (qwen3, deepseek-r1, ...). Unset: reasoning stays in content.",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description='Default chat template keywords (JSON object, e.g. {"enable_thinking": false}); '
+        "a request's chat_template_kwargs override them key by key.",
+    )
     public_url: str | None = Field(
         None, description="This proxy's own stable URL, returned with new sessions (per-pod DNS name)."
     )
