@@ -1,13 +1,21 @@
 """The CRD file itself: every schema node uses only OpenAPI schema keywords (a stray key, e.g. from a
-comma inside an unquoted YAML flow mapping, is dropped silently on create and rejected on update)."""
+comma inside an unquoted YAML flow mapping, is dropped silently on create and rejected on update);
+and its OpenAPI part (types, enums, bounds, patterns) accepts and rejects what it should. The CEL
+rules need a real API server: tests/e2e/test_crd.py."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
+from typing import Any
 
+import jsonschema
+import pytest
 import yaml
 
-CRD = Path(__file__).resolve().parent.parent / "crds" / "rolloutfleets.rolloutfleet.dev.yaml"
+ROOT = Path(__file__).resolve().parent.parent
+CRD = ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml"
+SAMPLES = ROOT / "operator" / "samples"
 SCHEMA_KEYWORDS = {
     "type",
     "format",
@@ -64,3 +72,74 @@ def test_every_field_has_a_description_for_kubectl_explain():
         and not node.get("description")
     ]
     assert not undocumented, f"fields kubectl explain would show without a description: {undocumented}"
+
+
+# --- what the schema accepts and rejects -----------------------------------------------------------
+
+
+def validator() -> jsonschema.Draft4Validator:
+    """The schema as JSON Schema: Kubernetes' OpenAPI v3 subset reads like draft 4 (a boolean
+    exclusiveMinimum); the x-kubernetes-* extensions are not JSON Schema and are ignored here."""
+    crd = yaml.safe_load(CRD.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.Draft4Validator.check_schema(schema)
+    return jsonschema.Draft4Validator(schema)
+
+
+def fleet(**proxy: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "rolloutfleet.dev/v1alpha1",
+        "kind": "RolloutFleet",
+        "metadata": {"name": "f"},
+        "spec": {"proxy": {"tokenizer": {"path": "/t"}, **proxy}, "externalEngineUrls": ["http://e:1"]},
+    }
+
+
+def errors(obj: dict[str, Any]) -> list[str]:
+    return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator().iter_errors(obj)]
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in SAMPLES.glob("*.yaml")))
+def test_the_samples_are_valid(name):
+    assert not errors(yaml.safe_load((SAMPLES / name).read_text()))
+
+
+ACCEPTED = {
+    "no chat formats": {},
+    "qwen": {"toolCallParser": "qwen25", "reasoningParser": "qwen3"},
+    "deepseek": {"toolCallParser": "deepseekv3", "reasoningParser": "deepseek-r1"},
+    "glm": {"toolCallParser": "glm45", "reasoningParser": "glm45"},
+    "kimi": {"toolCallParser": "kimi_k2", "reasoningParser": "kimi"},
+    "gpt-oss, thinking qwen": {"toolCallParser": "gpt-oss", "reasoningParser": "qwen3-thinking"},
+    "llama, no reasoning": {"toolCallParser": "llama3"},
+    "keywords": {"chatTemplateKwargs": {"enable_thinking": False}},
+    "nested keywords": {"chatTemplateKwargs": {"a": {"b": [1, "x", None]}, "n": 1.5}},
+    "empty keywords": {"chatTemplateKwargs": {}},
+}
+
+
+@pytest.mark.parametrize("proxy", ACCEPTED.values(), ids=ACCEPTED.keys())
+def test_the_schema_accepts(proxy):
+    assert not errors(fleet(**copy.deepcopy(proxy)))
+
+
+REJECTED = {
+    "unknown tool parser": ({"toolCallParser": "hermes"}, "spec.proxy.toolCallParser"),
+    "a reasoning parser as tool parser": ({"toolCallParser": "qwen3"}, "spec.proxy.toolCallParser"),
+    "tool parser in other case": ({"toolCallParser": "Qwen25"}, "spec.proxy.toolCallParser"),
+    "empty tool parser": ({"toolCallParser": ""}, "spec.proxy.toolCallParser"),
+    "unknown reasoning parser": ({"reasoningParser": "step3"}, "spec.proxy.reasoningParser"),
+    "a tool parser as reasoning parser": ({"reasoningParser": "qwen25"}, "spec.proxy.reasoningParser"),
+    "reasoning parser not a string": ({"reasoningParser": 3}, "spec.proxy.reasoningParser"),
+    "keywords as a JSON string": (
+        {"chatTemplateKwargs": '{"enable_thinking": false}'},
+        "spec.proxy.chatTemplateKwargs",
+    ),
+    "keywords as a list": ({"chatTemplateKwargs": ["enable_thinking"]}, "spec.proxy.chatTemplateKwargs"),
+}
+
+
+@pytest.mark.parametrize(("proxy", "where"), REJECTED.values(), ids=REJECTED.keys())
+def test_the_schema_rejects(proxy, where):
+    found = errors(fleet(**proxy))
+    assert found and all(error.startswith(f"{where}: ") for error in found), found

@@ -319,8 +319,10 @@ def test_every_operator_flag_is_documented(doc):
 def test_every_injected_proxy_variable_is_documented(doc):
     sample = yaml.safe_load(GPU_SAMPLE.read_text())
     sample["metadata"].update(namespace="rl", uid="u", generation=1)
+    sample["spec"]["proxy"]["chatTemplateKwargs"] = {"enable_thinking": False}
     fleet = parse_fleet(sample)
-    # The sample sets admission and a budget, so every conditional variable is injected.
+    # The sample sets admission, a budget and the parsers (chat template keywords added here), so
+    # every conditional variable is injected.
     env = proxy_pod(fleet, 0)["spec"]["containers"][0]["env"]
     user = {entry["name"] for entry in fleet.proxy.env}
     injected = {entry["name"] for entry in env} - user

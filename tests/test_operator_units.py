@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,9 @@ from rolloutfleet_operator.fleet import (
     selector_string,
 )
 from rolloutfleet_operator.plan import Deletion, ProxyPodView, plan_proxies, proxy_pod_view
-from rolloutfleet_proxy.settings import ENV, load_settings
+from rolloutfleet_proxy.reasoning_parsers import REASONING_PARSER_NAMES
+from rolloutfleet_proxy.settings import ENV, ProxySettings, effective_settings, load_settings
+from rolloutfleet_proxy.tool_parsers import TOOL_CALL_PARSER_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = yaml.safe_load((ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml").read_text())
@@ -215,6 +218,8 @@ GPU_ROWS = [
     ("env: dump dir", env_map(POD)[ENV["dump_dir"]], "/var/lib/rolloutfleet/dumps/gpu-fleet-proxy-2"),
     ("env: drain grace", env_map(POD)[ENV["drain_grace_s"]], "25"),
     ("env: public url", env_map(POD)[ENV["public_url"]], f"http://gpu-fleet-proxy-2.{SVC}.rl.svc:8000"),
+    ("env: tool call parser", env_map(POD)[ENV["tool_call_parser"]], "qwen25"),
+    ("env: reasoning parser", env_map(POD)[ENV["reasoning_parser"]], "qwen3"),
     (
         "env: admin key",
         env_map(POD)[ENV["admin_key"]],
@@ -399,19 +404,23 @@ def test_extra_env_overrides_an_injected_setting_and_the_spec_admin_secret_is_us
     assert not fleet.generates_admin_key and GPU.generates_admin_key
 
 
-def test_injected_settings_load_in_the_proxy(monkeypatch):
-    """The pod's env and args, as the kubelet would resolve them, are valid proxy settings."""
+def pod_settings(pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> ProxySettings:
+    """The proxy settings of the pod's env and args, as the kubelet would resolve them."""
     for name in list(os.environ):
         if name.startswith("ROLLOUTFLEET_PROXY_"):
             monkeypatch.delenv(name)
-    pod = manifests.proxy_pod(GPU, 1)
     for entry in container(pod)["env"]:
         if "value" in entry:
             monkeypatch.setenv(entry["name"], entry["value"])
         elif "secretKeyRef" in entry["valueFrom"]:
             monkeypatch.setenv(entry["name"], "secret")
     args = [a.replace("$(POD_IP)", "10.0.0.7") for a in container(pod)["args"]]
-    settings = load_settings(args)
+    return load_settings(args)
+
+
+def test_injected_settings_load_in_the_proxy(monkeypatch):
+    """The pod's env and args, as the kubelet would resolve them, are valid proxy settings."""
+    settings = pod_settings(manifests.proxy_pod(GPU, 1), monkeypatch)
     assert settings.host == "10.0.0.7" and settings.port == 8000
     assert settings.upstream_url == "http://gpu-fleet-gateway.rl.svc:30080"
     assert settings.tokenizer_path == "/models"
@@ -421,6 +430,104 @@ def test_injected_settings_load_in_the_proxy(monkeypatch):
     assert settings.public_url == f"http://gpu-fleet-proxy-1.{SVC}.rl.svc:8000"
     assert settings.admin_key.get_secret_value() == "secret"
     assert settings.log_level == "info"
+    assert settings.tool_call_parser == "qwen25" and settings.reasoning_parser == "qwen3"
+    assert settings.chat_template_kwargs == {}
+
+
+# --- the served model's chat formats (SGLang's parser names, default chat template keywords) -----
+
+CHAT_FORMAT_ENV = {ENV["tool_call_parser"], ENV["reasoning_parser"], ENV["chat_template_kwargs"]}
+KWARGS = {"enable_thinking": False, "thinking_budget": 512, "tools": {"strict": True, "order": [2, 1]}}
+
+
+def proxy_schema(field: str) -> dict[str, Any]:
+    return SCHEMA["properties"]["spec"]["properties"]["proxy"]["properties"][field]
+
+
+def test_crd_parser_names_are_the_proxys_registries():
+    """One source of truth: the CRD offers exactly the parsers the proxy has (SGLang's names)."""
+    for field, registry in (
+        ("toolCallParser", TOOL_CALL_PARSER_NAMES),
+        ("reasoningParser", REASONING_PARSER_NAMES),
+    ):
+        enum = proxy_schema(field)["enum"]
+        assert len(enum) == len(set(enum)) and set(enum) == set(registry), field
+        assert proxy_schema(field)["type"] == "string" and "SGLang" in proxy_schema(field)["description"]
+    kwargs = proxy_schema("chatTemplateKwargs")
+    # Without it the API server would prune every key of the object (it declares no properties).
+    assert kwargs["type"] == "object" and kwargs["x-kubernetes-preserve-unknown-fields"] is True
+
+
+def test_chat_formats_reach_the_proxy_when_set(monkeypatch):
+    obj = sample("minimal")
+    obj["spec"]["proxy"].update(
+        toolCallParser="llama3", reasoningParser="deepseek-r1", chatTemplateKwargs=KWARGS
+    )
+    fleet = parse_fleet(obj)
+    assert (fleet.proxy.tool_call_parser, fleet.proxy.reasoning_parser) == ("llama3", "deepseek-r1")
+    assert fleet.proxy.chat_template_kwargs == KWARGS and fleet.proxy.chat_template_kwargs is not KWARGS
+    pod = manifests.proxy_pod(fleet, 0)
+    env = env_map(pod)
+    assert env[ENV["tool_call_parser"]] == "llama3" and env[ENV["reasoning_parser"]] == "deepseek-r1"
+    assert env[ENV["chat_template_kwargs"]] == (
+        '{"enable_thinking":false,"thinking_budget":512,"tools":{"order":[2,1],"strict":true}}'
+    )
+    # They round-trip through the proxy's settings: a JSON object in, the same dict out (also in
+    # what GET /v1/settings reports, which the e2e suite compares with the pod's env).
+    settings = pod_settings(pod, monkeypatch)
+    assert (settings.tool_call_parser, settings.reasoning_parser) == ("llama3", "deepseek-r1")
+    assert settings.chat_template_kwargs == KWARGS
+    reported = effective_settings(settings)
+    assert reported["chat_template_kwargs"] == json.loads(env[ENV["chat_template_kwargs"]]) == KWARGS
+    assert reported["tool_call_parser"] == env[ENV["tool_call_parser"]]
+    assert reported["reasoning_parser"] == env[ENV["reasoning_parser"]]
+
+
+@pytest.mark.parametrize(
+    "proxy",
+    [
+        {},
+        {"chatTemplateKwargs": {}},
+        {"toolCallParser": None, "reasoningParser": None, "chatTemplateKwargs": None},
+    ],
+    ids=["absent", "empty keywords", "null"],
+)
+def test_chat_formats_are_not_injected_when_unset(proxy, monkeypatch):
+    obj = sample("minimal")
+    obj["spec"]["proxy"].update(proxy)
+    fleet = parse_fleet(obj)
+    assert fleet.proxy.tool_call_parser is None and fleet.proxy.reasoning_parser is None
+    assert fleet.proxy.chat_template_kwargs == {}
+    pod = manifests.proxy_pod(fleet, 0)
+    assert not CHAT_FORMAT_ENV & set(env_map(pod))
+    # The proxy's defaults apply; and an unset field does not change the pod (no roll on upgrade).
+    settings = pod_settings(pod, monkeypatch)
+    for field in ("tool_call_parser", "reasoning_parser", "chat_template_kwargs"):
+        default = ProxySettings.model_fields[field].get_default(call_default_factory=True)
+        assert getattr(settings, field) == default, field
+    assert manifests.template_hash(fleet) == manifests.template_hash(MINIMAL)
+
+
+def test_chat_template_kwargs_json_is_stable():
+    """The same keywords in another key order give the same value and hash; another value rolls."""
+    reordered = {"tools": {"order": [2, 1], "strict": True}, "thinking_budget": 512, "enable_thinking": False}
+    assert reordered == KWARGS and list(reordered) != list(KWARGS)
+    assert list(reordered["tools"]) != list(KWARGS["tools"])
+    fleets = [parse_fleet(_mutated("proxy.chatTemplateKwargs", kwargs)) for kwargs in (KWARGS, reordered)]
+    values = {env_map(manifests.proxy_pod(fleet, 0))[ENV["chat_template_kwargs"]] for fleet in fleets}
+    assert len(values) == 1
+    assert json.loads(values.pop()) == KWARGS
+    assert manifests.template_hash(fleets[0]) == manifests.template_hash(fleets[1])
+    flipped = parse_fleet(_mutated("proxy.chatTemplateKwargs", {**KWARGS, "enable_thinking": True}))
+    assert manifests.template_hash(flipped) != manifests.template_hash(fleets[0])
+    # A list's order is data, not layout: it is kept, and changing it is a change.
+    tools = {"strict": True, "order": [1, 2]}
+    swapped = parse_fleet(_mutated("proxy.chatTemplateKwargs", {**KWARGS, "tools": tools}))
+    assert manifests.template_hash(swapped) != manifests.template_hash(fleets[0])
+
+
+def test_chat_formats_are_template_settings():
+    assert not CHAT_FORMAT_ENV & manifests.HASH_EXEMPT_ENV
 
 
 def test_proxy_pod_is_locked_down():
@@ -546,6 +653,11 @@ def _mutated(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[
         ("proxy.exportTtlSeconds", 60),
         ("proxy.admission", {"maxStaleness": 2, "consumerBatchSize": 8}),
         ("proxy.admission.maxConcurrentSessions", 4),
+        ("proxy.toolCallParser", "llama3"),
+        ("proxy.toolCallParser", None),
+        ("proxy.reasoningParser", "qwen3-thinking"),
+        ("proxy.reasoningParser", None),
+        ("proxy.chatTemplateKwargs", {"enable_thinking": False}),
         ("gateway.port", 31000),
     ],
 )

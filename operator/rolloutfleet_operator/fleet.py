@@ -79,6 +79,10 @@ def _copy_dict(value: Any) -> dict[str, Any]:
     return copy.deepcopy(dict(value)) if value else {}
 
 
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
 def _copy_list(value: Any) -> tuple[Any, ...]:
     return tuple(copy.deepcopy(list(value))) if value else ()
 
@@ -158,6 +162,11 @@ class ProxySpec:
     export_ttl_s: float
     env: tuple[dict[str, Any], ...]
     admin_key_secret: SecretKeyRef | None  # None: the operator generates `<fleet>-admin-key`
+    # The served model's chat formats, by SGLang's parser names (None: unset, the proxy's default),
+    # and default chat-template keywords ({}: unset).
+    tool_call_parser: str | None
+    reasoning_parser: str | None
+    chat_template_kwargs: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -281,6 +290,9 @@ def _parse_proxy(raw: Mapping[str, Any]) -> ProxySpec:
         export_ttl_s=_get(raw, "exportTtlSeconds", "proxy.exportTtlSeconds"),
         env=_copy_list(raw.get("env")),
         admin_key_secret=SecretKeyRef(admin["name"], admin["key"]) if admin else None,
+        tool_call_parser=_optional_str(raw.get("toolCallParser")),
+        reasoning_parser=_optional_str(raw.get("reasoningParser")),
+        chat_template_kwargs=_copy_dict(raw.get("chatTemplateKwargs")),
     )
 
 

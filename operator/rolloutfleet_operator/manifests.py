@@ -149,6 +149,7 @@ def _proxy_env(fleet: Fleet, pod_name: str, public_url: str) -> list[Manifest]:
         _env(ENV["drain_grace_s"], proxy.drain_grace_s),
         _env(ENV["public_url"], public_url),
         _env(ENV["export_ttl_s"], proxy.export_ttl_s),
+        *_chat_format_env(fleet),
         *_runtime_tunable_env(fleet),
         {
             "name": ENV["admin_key"],
@@ -156,6 +157,22 @@ def _proxy_env(fleet: Fleet, pod_name: str, public_url: str) -> list[Manifest]:
         },
     ]
     return _with_overrides(copy.deepcopy(injected), proxy.env)
+
+
+def _chat_format_env(fleet: Fleet) -> list[Manifest]:
+    """The served model's chat formats, each only when the spec sets it (else the proxy's default).
+    The keywords are compact JSON with sorted keys: the same object always gives the same value, so
+    the template hash does not depend on the order the API returns its keys in."""
+    proxy = fleet.proxy
+    env = []
+    if proxy.tool_call_parser is not None:
+        env.append(_env(ENV["tool_call_parser"], proxy.tool_call_parser))
+    if proxy.reasoning_parser is not None:
+        env.append(_env(ENV["reasoning_parser"], proxy.reasoning_parser))
+    if proxy.chat_template_kwargs:
+        kwargs = json.dumps(proxy.chat_template_kwargs, sort_keys=True, separators=(",", ":"))
+        env.append({"name": ENV["chat_template_kwargs"], "value": kwargs})
+    return env
 
 
 # Settings that follow the fleet's scale or budget. They stay out of the template hash: changing

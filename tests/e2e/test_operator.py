@@ -201,7 +201,12 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
     assert {"ROLLOUTFLEET_PROXY_MAX_STALENESS", "ROLLOUTFLEET_PROXY_STALENESS_BATCH_SHARE"} <= set(injected)
     for name, value in injected.items():
         actual = reported[field_of[name]]
-        same = float(actual) == float(value) if isinstance(actual, int | float) else str(actual) == value
+        if isinstance(actual, dict | list):  # JSON settings (chat_template_kwargs): JSON in, JSON out
+            same = json.loads(value) == actual
+        elif isinstance(actual, int | float):
+            same = float(actual) == float(value)
+        else:
+            same = str(actual) == value
         assert same, f"{name}={value!r} injected, the proxy runs with {actual!r}"
 
     # A live session on proxy-1 survives the pod's deletion: the replacement restores it.
