@@ -239,7 +239,9 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         session_id = request.path_params["session_id"]
         authorized_session(request, session_id)  # 401/404 before the body is even read
         body = await read_json(request)
-        chat_request = parse_chat_request(body, settings.default_max_tokens)
+        chat_request = parse_chat_request(
+            body, settings.default_max_tokens, settings.chat_template_kwargs, settings.tool_call_parser
+        )
         # Looked up again after the await: from here to taking the session lock nothing yields,
         # so cleanup cannot detach the session in between.
         session = authorized_session(request, session_id)
@@ -255,7 +257,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         completion = Completion(
             completion_id=f"chatcmpl-{session_id}-{result.turn_index}",
             model=settings.model_name,
-            text=gen.text,
+            reply=result.reply,
             finish=gen.finish_reason,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=len(gen.output_ids),

@@ -2,81 +2,259 @@
 
 The first turn renders the chat template over the messages. Later turns never re-render or
 re-tokenize history: the stored ids (including the model's own output ids) stay as they were, and
-only the tokens that close the last assistant reply plus the new messages are appended. Those are
-found by rendering the new messages after a fixed probe exchange and taking the text after it.
+only the ids for what follows the model's last reply are appended: the part of the reply's closing
+the model did not generate itself, the new messages, and the generation prompt.
+
+Real templates are not prefix-stable (Qwen3 renders the last assistant turn with its `<think>`
+block and earlier ones without; DeepSeek-R1 drops earlier reasoning; Qwen2.5 injects a default
+system prompt; harmony closes a final reply with `<|return|>` but `<|end|>` mid-conversation), so
+"render the history, then cut off the part rendered before" does not work. Instead the new
+messages are rendered after a probe exchange whose assistant reply is a unique marker, and the
+text after the marker is what the template writes at that position. The model's stop token stands
+in for the template's message closer (`<|im_end|>`, `<|eot_id|>`, `<|end|>`, ...): when the reply
+ended on a stop token, the closer is not appended again, only what follows it (ChatML's "\\n").
+
+At start-up the template is checked: the marker must render verbatim, and what it renders after the
+marker must not depend on the history before it (else the appended ids would differ from the
+template's own rendering in a real conversation), for user messages and, when tool calls are
+parsed, for tool results. A template that fails is refused with a message naming the problem.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
-_PROBE_USER = "rolloutfleet probe question"
-_PROBE_ASSISTANT = "rolloutfleet probe answer"
-_PROBE = [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
+_MARKER = "rolloutfleetprobereply"
+_PROBE_USER = {"role": "user", "content": "rolloutfleet probe question"}
+_PROBE_NEXT = "rolloutfleet probe follow-up"
+_PROBE_CALL = {
+    "id": "call_rolloutfleet_probe",
+    "type": "function",
+    "function": {"name": "rolloutfleet_probe", "arguments": {"x": 1}},
+}
+_PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "rolloutfleet_probe",
+            "description": "probe",
+            "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}},
+        },
+    }
+]
 
 
 class TemplateError(ValueError):
-    """The chat template cannot be applied incrementally to these messages."""
+    """The chat template cannot be applied incrementally (to these messages, or at all)."""
+
+
+def _reply(content: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": content}
+
+
+def _tool_result(content: str) -> dict[str, Any]:
+    return {"role": "tool", "tool_call_id": _PROBE_CALL["id"], "content": content}
+
+
+def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A canonical message as templates expect it: an assistant message that only calls tools has
+    content None (templates test `content is none`), arguments stay JSON objects."""
+    rendered = dict(message)
+    if rendered.get("tool_calls") and rendered.get("content") == "":
+        rendered["content"] = None
+    return rendered
+
+
+def end_of_generation_ids(tokenizer_path: str | os.PathLike, eos_token_id: int | None) -> frozenset[int]:
+    """The ids a reply ends on: the tokenizer's EOS plus `eos_token_id` of generation_config.json,
+    which is where models list their other stop tokens (Llama's <|eom_id|>, GLM's <|observation|>)."""
+    ids = set() if eos_token_id is None else {eos_token_id}
+    try:
+        config = json.loads((Path(tokenizer_path) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        config = {}
+    listed = config.get("eos_token_id") if isinstance(config, dict) else None
+    if isinstance(listed, int):
+        listed = [listed]
+    if isinstance(listed, list):
+        ids.update(i for i in listed if isinstance(i, int))
+    return frozenset(ids)
 
 
 class TurnTokenizer:
-    def __init__(self, tokenizer: Any):
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop_ids: Iterable[int] = (),
+        tool_results: bool = False,
+        default_kwargs: Mapping[str, Any] | None = None,
+    ):
         self._hf = tokenizer
         self._backend = tokenizer.backend_tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError("the tokenizer has no chat template")
-        probe_text = self.render(_PROBE, add_generation_prompt=False)
-        end = probe_text.find(_PROBE_ASSISTANT)
-        if end < 0:
-            raise TemplateError("the chat template does not render assistant content verbatim")
-        self._probe_text = probe_text
-        # What the template puts after an assistant reply, e.g. "<|im_end|>\n".
-        self.assistant_close = probe_text[end + len(_PROBE_ASSISTANT) :]
         self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.end_of_generation_ids = frozenset(stop_ids) | (
+            frozenset() if self.eos_token_id is None else {self.eos_token_id}
+        )
+        self._added_ids = frozenset(tokenizer.added_tokens_decoder)
+        kwargs = dict(default_kwargs or {})
+        self.message_closer_id = self._find_closer(kwargs)
+        self._check_incremental(kwargs, tool_results)
 
     @classmethod
-    def from_path(cls, path: str) -> TurnTokenizer:
+    def from_path(
+        cls, path: str, tool_results: bool = False, default_kwargs: Mapping[str, Any] | None = None
+    ) -> TurnTokenizer:
         # The proxy runs without torch; transformers would print an advisory about it on stderr.
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
         from transformers import AutoTokenizer  # heavy import, only where a tokenizer is loaded
 
-        return cls(AutoTokenizer.from_pretrained(path, local_files_only=True))
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(hf, end_of_generation_ids(path, hf.eos_token_id), tool_results, default_kwargs)
 
-    def render(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool) -> str:
+    # --- rendering and encoding ------------------------------------------------------------------
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
         return self._hf.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+            [template_message(m) for m in messages],
+            tools=tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(kwargs or {}),
         )
 
     def encode(self, text: str) -> array:
         return array("i", self._backend.encode(text, add_special_tokens=False).ids)
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._backend.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (not the vocabulary piece, e.g. "Ġword" in byte-level BPE)."""
         return [self._backend.decode([i], skip_special_tokens=False) for i in ids]
 
-    def first_turn_ids(self, messages: Sequence[dict[str, Any]]) -> array:
-        return self.encode(self.render(messages, add_generation_prompt=True))
+    def stop_token(self, output_ids: Sequence[int], reported: int | None) -> int | None:
+        """The id that ended a reply: the one the upstream reported as matched, or an end-of-generation
+        id in last place (SGLang says `length`, not `stop`, when EOS is the last allowed token)."""
+        if reported is not None:
+            return reported
+        if output_ids and output_ids[-1] in self.end_of_generation_ids:
+            return output_ids[-1]
+        return None
 
-    def continuation_ids(self, new_messages: Sequence[dict[str, Any]], last_stop_token: int | None) -> array:
-        """Ids that follow a recorded assistant reply: its closing tokens, then the new messages."""
-        full = self.render([*_PROBE, *new_messages], add_generation_prompt=True)
-        if not full.startswith(self._probe_text):
-            raise TemplateError(
-                "the chat template renders earlier turns differently once new messages follow"
+    # --- the ids of a turn -----------------------------------------------------------------------
+
+    def first_turn(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[array, str]:
+        """Ids of the whole first prompt, and its text."""
+        text = self.render(messages, True, tools, kwargs)
+        return self.encode(text), text
+
+    def continuation(
+        self,
+        new_messages: Sequence[Mapping[str, Any]],
+        last_stop_token: int | None,
+        tools: list[dict[str, Any]] | None = None,
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[array, str]:
+        """Ids that follow a recorded reply (its closing, the new messages, the generation prompt),
+        and their text."""
+        tail = self._tail([_PROBE_USER], new_messages, tools, kwargs)
+        ids = self.encode(tail)
+        if last_stop_token is not None and ids and ids[0] in (last_stop_token, self.message_closer_id):
+            # The model's own stop token closed its reply: the template's closer is not added twice.
+            del ids[0]
+        return ids, tail
+
+    def _tail(
+        self,
+        history: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        kwargs: Mapping[str, Any] | None,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """What the template renders after a reply (the marker) that follows `history`."""
+        text = self.render([*history, _reply(_MARKER), *new_messages], add_generation_prompt, tools, kwargs)
+        at = text.find(_MARKER)
+        if at < 0 or text.find(_MARKER, at + 1) >= 0:
+            raise TemplateError("the chat template does not render an assistant reply's content verbatim")
+        return text[at + len(_MARKER) :]
+
+    # --- start-up checks -------------------------------------------------------------------------
+
+    def _find_closer(self, kwargs: Mapping[str, Any]) -> int | None:
+        """The special token the template closes every assistant reply with, whatever follows
+        (`<|im_end|>`, `<|eot_id|>`, `<|end|>`); None when the next message's own opener ends the
+        reply (GLM-4.5: `<|user|>`, `<|observation|>`)."""
+        try:
+            after_user = self.encode(
+                self._tail([_PROBE_USER], [{"role": "user", "content": "x"}], None, kwargs)
             )
-        return self.encode(self.closing_text(last_stop_token) + full[len(self._probe_text) :])
+        except TemplateError:
+            raise
+        except Exception as exc:
+            raise TemplateError(
+                f"the chat template fails on a plain user/assistant/user exchange: {exc}"
+            ) from exc
+        if not after_user or after_user[0] not in self._added_ids:
+            return None
+        first = after_user[0]
+        try:
+            after_system = self.encode(
+                self._tail([_PROBE_USER], [{"role": "system", "content": "x"}], None, kwargs)
+            )
+        except Exception:  # templates may refuse a system message after the first one
+            return first if first in self.end_of_generation_ids else None
+        return first if after_system and after_system[0] == first else None
 
-    def closing_text(self, last_stop_token: int | None) -> str:
-        """The part of the template's assistant closing that the model did not generate itself."""
-        if last_stop_token is None:
-            return self.assistant_close
-        stop_text = self._backend.decode([last_stop_token], skip_special_tokens=False)
-        if stop_text and self.assistant_close.startswith(stop_text):
-            return self.assistant_close[len(stop_text) :]
-        return self.assistant_close
+    def _check_incremental(self, kwargs: Mapping[str, Any], tool_results: bool) -> None:
+        follow_ups: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None]] = [
+            ("a user message", [{"role": "user", "content": _PROBE_NEXT}], None)
+        ]
+        if tool_results:
+            follow_ups.append(("a tool result", [_tool_result(_PROBE_NEXT)], _PROBE_TOOLS))
+        tool_round = [
+            {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+            _tool_result("rolloutfleet probe result"),
+        ]
+        longer_history = [
+            _PROBE_USER,
+            *(tool_round if tool_results else ()),
+            _reply("rolloutfleet probe answer"),
+            {"role": "user", "content": "rolloutfleet probe second question"},
+        ]
+        for what, new, tools in follow_ups:
+            try:
+                short = self._tail([_PROBE_USER], new, tools, kwargs)
+                long = self._tail(longer_history, new, tools, kwargs)
+            except TemplateError:
+                raise
+            except Exception as exc:
+                raise TemplateError(
+                    f"the chat template cannot render {what} after an assistant reply: {exc}"
+                ) from exc
+            if _PROBE_NEXT not in short:
+                raise TemplateError(f"the chat template does not render {what} after an assistant reply")
+            if short != long:
+                raise TemplateError(
+                    f"the chat template renders {what} after an assistant reply differently depending on "
+                    f"the conversation before it ({short!r} vs {long!r}), so ids appended turn by turn "
+                    "would not match the template"
+                )

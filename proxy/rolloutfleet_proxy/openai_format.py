@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
+from .chat_tools import ToolSpec, check_tool_results, parse_tools, template_kwargs
 from .errors import ProxyError, bad_request
 from .history import InvalidMessage, canonical_message
+from .replies import Reply
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,8 @@ class ChatRequest:
     stream: bool
     include_usage: bool
     logprobs: bool
+    tools: ToolSpec | None = None
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -43,8 +47,14 @@ def _positive_int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
-    """Validate an OpenAI chat request; unknown OpenAI parameters are ignored, wrong ones are 400."""
+def parse_chat_request(
+    body: Any,
+    default_max_tokens: int,
+    default_template_kwargs: dict[str, Any] | None = None,
+    tool_parser: str | None = None,
+) -> ChatRequest:
+    """Validate an OpenAI chat request; unknown OpenAI parameters are ignored, wrong ones are 400.
+    Tools need a tool-call parser (`tool_parser`, SGLang's name), or their calls could not be returned."""
     if not isinstance(body, dict):
         raise bad_request("invalid_body", "the request body must be a JSON object")
     messages = body.get("messages")
@@ -54,6 +64,14 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
         canonical = [canonical_message(m) for m in messages]
     except InvalidMessage as exc:
         raise bad_request("invalid_messages", str(exc)) from None
+    check_tool_results(canonical)
+    tools = parse_tools(body)
+    if tools is not None and tool_parser is None:
+        raise bad_request(
+            "unsupported_parameter",
+            "this proxy has no tool-call parser, so tool calls could not be returned: set "
+            "spec.proxy.toolCallParser on the fleet (ROLLOUTFLEET_PROXY_TOOL_CALL_PARSER)",
+        )
     n = body.get("n")
     if n is not None and n != 1:
         raise bad_request("invalid_parameter", "n must be 1: a session records one trajectory")
@@ -71,8 +89,6 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
         value = _number(body, name, low, high)
         if value is not None:
             sampling[name] = value
-    if body.get("tools"):
-        raise bad_request("unsupported_parameter", "tools are not supported: send plain chat messages")
     for name in ("top_k", "min_p", "repetition_penalty"):  # SGLang sampling parameters passed through
         value = body.get(name)
         if value is not None:
@@ -101,10 +117,14 @@ def parse_chat_request(body: Any, default_max_tokens: int) -> ChatRequest:
         stream=stream,
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         logprobs=bool(body.get("logprobs", False)),
+        tools=tools,
+        template_kwargs=template_kwargs(body, default_template_kwargs or {}),
     )
 
 
-def finish_reason(sglang_finish: str) -> str:
+def finish_reason(sglang_finish: str, reply: Reply) -> str:
+    if reply.tool_calls:
+        return "tool_calls"
     return "length" if sglang_finish == "length" else "stop"
 
 
@@ -123,7 +143,7 @@ class Completion:
 
     completion_id: str
     model: str
-    text: str
+    reply: Reply
     finish: str
     prompt_tokens: int
     completion_tokens: int
@@ -139,11 +159,10 @@ class Completion:
 
 
 def completion_body(c: Completion) -> bytes:
-    message = {"role": "assistant", "content": c.text}
     choice = {
         "index": 0,
-        "message": message,
-        "finish_reason": finish_reason(c.finish),
+        "message": c.reply.message(),
+        "finish_reason": finish_reason(c.finish, c.reply),
         "logprobs": c.logprobs,
     }
     return orjson.dumps(
@@ -177,9 +196,17 @@ def completion_sse(c: Completion, include_usage: bool) -> Iterator[bytes]:
     def choice(delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> list[dict[str, Any]]:
         return [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]
 
+    reply = c.reply
     yield chunk(choice({"role": "assistant", "content": ""}, None))
-    yield chunk(choice({"content": c.text}, None, c.logprobs))
-    yield chunk(choice({}, finish_reason(c.finish)), rolloutfleet=c.extra)
+    if reply.reasoning is not None:
+        yield chunk(choice({"reasoning_content": reply.reasoning}, None))
+    if reply.content or not reply.tool_calls:
+        yield chunk(choice({"content": reply.content}, None, c.logprobs))
+    for index, call in enumerate(reply.tool_calls):
+        delta_call = {"index": index, **call}
+        logprobs = c.logprobs if index == 0 and not reply.content else None
+        yield chunk(choice({"tool_calls": [delta_call]}, None, logprobs))
+    yield chunk(choice({}, finish_reason(c.finish, reply)), rolloutfleet=c.extra)
     if include_usage:
         yield chunk([], usage=c.usage())
     yield b"data: [DONE]\n\n"

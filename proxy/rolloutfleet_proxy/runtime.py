@@ -26,6 +26,7 @@ from .exports import ExportService
 from .generation import GenerationControl
 from .heap import HeapTrimmer
 from .looplag import LoopLagMonitor
+from .replies import ReplyBuilder
 from .session import Session
 from .settings import ProxySettings
 from .state_file import ProxyState, StateFormatError, StateKeeper, read_state, state_path
@@ -168,14 +169,25 @@ class ProxyRuntime:
         if self.settings.dump_dir is not None:
             await asyncio.to_thread(check_writable, self.settings.dump_dir)
         if self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(TurnTokenizer.from_path, self.settings.tokenizer_path)
+            self.tokenizer = await asyncio.to_thread(
+                TurnTokenizer.from_path,
+                self.settings.tokenizer_path,
+                tool_results=self.settings.tool_call_parser is not None,
+                default_kwargs=self.settings.chat_template_kwargs,
+            )
         self.upstream = SGLangClient(
             self.settings.upstream_url,
             self.settings.upstream_timeout_s,
             self.settings.upstream_max_connections,
         )
         self.turns = TurnService(
-            self.store, self.tokenizer, self.upstream, self.counters, self.gauges, self.generation
+            self.store,
+            self.tokenizer,
+            self.upstream,
+            self.counters,
+            self.gauges,
+            self.generation,
+            ReplyBuilder(self.tokenizer, self.settings.tool_call_parser, self.settings.reasoning_parser),
         )
         await self.restore_state()
         await self.restore()

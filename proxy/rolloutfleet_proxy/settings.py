@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "ROLLOUTFLEET_PROXY_"
@@ -103,6 +103,24 @@ class ProxySettings(BaseSettings):
     rss_soft_limit_bytes: int = Field(
         0, ge=0, description="RSS from which new sessions get 503, so load shifts to siblings (0: off)."
     )
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_call_parser(cls, name: str | None) -> str | None:
+        if name is not None:
+            from .tool_parsers import tool_call_parser  # raises ValueError naming the known parsers
+
+            tool_call_parser(name)
+        return name
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, name: str | None) -> str | None:
+        if name is not None:
+            from .reasoning_parsers import reasoning_parser  # raises ValueError naming the known parsers
+
+            reasoning_parser(name)
+        return name
 
     @model_validator(mode="after")
     def _refuse_silent_data_loss(self) -> ProxySettings:

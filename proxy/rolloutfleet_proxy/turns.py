@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from .chat_tokens import TemplateError, TurnTokenizer
 from .errors import ProxyError, bad_request, conflict, gone, unavailable
 from .generation import GenerationControl
-from .history import extend_digest
+from .history import extend_digest, tools_digest
 from .openai_format import ChatRequest
+from .replies import Reply, ReplyBuilder
 from .session import Session
 from .stats import Counters, Gauges
 from .store import SessionStore
@@ -30,6 +31,7 @@ class TurnResult:
     turn_index: int
     generation: Generation
     prompt_tokens: int
+    reply: Reply
 
 
 def _ms(start: float, end: float) -> float:
@@ -45,8 +47,10 @@ class TurnService:
         counters: Counters,
         gauges: Gauges,
         generation: GenerationControl,
+        replies: ReplyBuilder,
     ):
         self._generation = generation
+        self._replies = replies
         self._store = store
         self._tokenizer = tokenizer
         self._upstream = upstream
@@ -55,31 +59,38 @@ class TurnService:
         self.turns_done = asyncio.Event()  # set whenever no turn is in flight (the drain waits on it)
         self.turns_done.set()
 
-    def new_input_ids(self, session: Session, messages: list[dict]) -> tuple[array, bytes]:
-        """Ids to append for this request's new messages, and the history digest after them."""
+    def new_input_ids(self, session: Session, request: ChatRequest) -> tuple[array, str, bytes]:
+        """Ids to append for this request's new messages, their rendered text, and the history digest
+        after them. The session's tools are part of its first prompt: they seed the digest."""
+        messages = request.messages
         recorded = session.message_count
         if len(messages) <= recorded:
             raise bad_request(
                 "no_new_messages",
                 f"the session has recorded {recorded} messages; send the full history plus new ones",
             )
-        if extend_digest(b"\x00" * 32, messages[:recorded]) != session.history_digest:
+        seed = tools_digest(request.tools.tools if request.tools else None)
+        if recorded and extend_digest(seed, messages[:recorded]) != session.history_digest:
             raise conflict(
                 "history_mismatch",
-                f"the first {recorded} messages differ from what this session recorded "
-                "(send the full history, with assistant replies exactly as returned)",
+                f"the first {recorded} messages or the tools differ from what this session recorded "
+                "(send the full history, with assistant replies exactly as returned, and the same tools "
+                "every turn)",
             )
         new = messages[recorded:]
+        tools = request.tools.rendered if request.tools else None
         try:
             if session.num_turns == 0:
-                ids = self._tokenizer.first_turn_ids(new)
+                ids, text = self._tokenizer.first_turn(new, tools, request.template_kwargs)
             else:
-                ids = self._tokenizer.continuation_ids(new, session.last_stop_token)
+                ids, text = self._tokenizer.continuation(
+                    new, session.last_stop_token, tools, request.template_kwargs
+                )
         except TemplateError as exc:
             raise bad_request("template_error", str(exc)) from None
         except Exception as exc:  # jinja raise_exception and friends: the messages do not fit the template
             raise bad_request("template_error", f"chat template failed on these messages: {exc}") from None
-        return ids, extend_digest(session.history_digest, new)
+        return ids, text, extend_digest(session.history_digest if recorded else seed, new)
 
     async def run_turn(self, session: Session, request: ChatRequest, timings: dict[str, float]) -> TurnResult:
         if self._gauges.draining:
@@ -96,7 +107,7 @@ class TurnService:
             if session.closed:
                 raise gone("session_gone", f"session {session.session_id} has ended: {session.close_reason}")
             session.touch()
-            new_ids, digest = self.new_input_ids(session, request.messages)
+            new_ids, prompt_tail, digest = self.new_input_ids(session, request)
             prompt = session.token_ids.tolist()
             prompt.extend(new_ids)
             t_up = time.perf_counter()
@@ -108,21 +119,23 @@ class TurnService:
             if paused_s > 0:
                 timings["pause_wait_ms"] = round(paused_s * 1000, 3)
             timings["upstream_ms"] = round(_ms(t_up, t_rec) - paused_s * 1000, 3)
+            stop_token = self._tokenizer.stop_token(generation.output_ids, generation.stop_token)
+            reply = self._replies.build(generation, stop_token, request.tools, prompt_tail)
             added = session.append_turn(
                 new_ids,
                 generation.output_ids,
                 generation.logprobs,
                 message_count=len(request.messages) + 1,
-                history_digest=extend_digest(digest, [{"role": "assistant", "content": generation.text}]),
-                stopped=generation.stop_token is not None,
-                stop_token=generation.stop_token,
+                history_digest=extend_digest(digest, [reply.message()]),
+                stopped=stop_token is not None,
+                stop_token=stop_token,
                 model_version=model_version,
             )
             self._store.record_growth(added)
             session.touch()
             self._counters.turns += 1
             timings["record_ms"] = _ms(t_rec, time.perf_counter())
-            return TurnResult(session.num_turns - 1, generation, len(prompt))
+            return TurnResult(session.num_turns - 1, generation, len(prompt), reply)
 
     async def _generate(self, prompt: list[int], sampling: dict) -> tuple[Generation, int, float]:
         """Pass the pause gate, then generate: (generation, model version, seconds held by a pause)."""

@@ -20,6 +20,7 @@ class Generation:
     finish_reason: str  # "stop" | "length" | other SGLang finish types
     stop_token: int | None  # the generated id that ended the reply, when it is the last output id
     prompt_tokens: int
+    stop_string: str | None = None  # the stop string that ended the reply (its tokens stay in output_ids)
 
 
 def upstream_error(status: int, message: str) -> ProxyError:
@@ -70,6 +71,7 @@ def parse_generate_answer(body: bytes) -> Generation:
         finish_reason=finish_type,
         stop_token=stop_token,
         prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
+        stop_string=matched if isinstance(matched, str) else None,
     )
 
 
