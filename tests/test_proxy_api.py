@@ -147,8 +147,35 @@ def test_stream_returns_sse_of_the_recorded_reply(proxy):
     assert follow.choices[0].message.content is not None
 
 
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+EARLIER_TOOL_ROUND = [
+    {"role": "user", "content": "weather in Oslo?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "snow"}'},
+]
+
+
 @pytest.mark.router
-def test_through_the_real_sglang_router(engine_url, test_tokenizer_dir, model, tmp_path):
+@pytest.mark.parametrize("with_tools", [False, True], ids=["plain", "tools"])
+def test_through_the_real_sglang_router(
+    engine_url, test_tokenizer_dir, model, hf_tokenizer, tmp_path, with_tools
+):
     port, metrics_port = free_port(), free_port()
     router_url = f"http://127.0.0.1:{port}"
     args = python_module(
@@ -171,16 +198,48 @@ def test_through_the_real_sglang_router(engine_url, test_tokenizer_dir, model, t
     with ServerProcess(args, tmp_path / "router.log") as router:
         router.wait_ready(f"{router_url}/health", 60)
         wait_until_routed(router_url)
-        with running_proxy(router_url, test_tokenizer_dir, tmp_path / "dumps") as proxy:
+        parser = {"tool_call_parser": "qwen25"} if with_tools else {}
+        with running_proxy(router_url, test_tokenizer_dir, tmp_path / "dumps", **parser) as proxy:
             sid, key = proxy.create_session()
             client = OpenAI(base_url=f"{proxy.url}/v1/sessions/{sid}", api_key=key, max_retries=0)
-            messages = [{"role": "user", "content": "via the router"}]
+            messages = [
+                *(EARLIER_TOOL_ROUND if with_tools else ()),
+                {"role": "user", "content": "via the router"},
+            ]
+            tools = {"tools": [WEATHER_TOOL]} if with_tools else {}
             for turn in range(2):
-                reply = client.chat.completions.create(model="m", messages=messages, max_tokens=8, seed=turn)
+                reply = client.chat.completions.create(
+                    model="m", messages=messages, max_tokens=8, seed=turn, **tools
+                )
                 messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": "more"}]
             data = proxy.get(sid, key).json()
             assert data["num_turns"] == 2
             assert_matches_engine(model, data["trajectory"])
+            if with_tools:  # the tools and the earlier tool round were rendered into the first prompt
+                first_prompt = data["trajectory"]["input_ids"][: data["trajectory"]["turns"][0][1]]
+                assert (
+                    first_prompt
+                    == hf_tokenizer.apply_chat_template(
+                        [
+                            *EARLIER_TOOL_ROUND[:1],
+                            {
+                                **EARLIER_TOOL_ROUND[1],
+                                "tool_calls": [
+                                    {
+                                        **EARLIER_TOOL_ROUND[1]["tool_calls"][0],
+                                        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+                                    }
+                                ],
+                            },
+                            EARLIER_TOOL_ROUND[2],
+                            {"role": "user", "content": "via the router"},
+                        ],
+                        tools=[WEATHER_TOOL],
+                        add_generation_prompt=True,
+                        tokenize=True,
+                    )["input_ids"]
+                )
+                assert "<tools>" in hf_tokenizer.decode(first_prompt)
 
 
 # --- concurrency -------------------------------------------------------------------------------
