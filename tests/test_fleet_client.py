@@ -495,6 +495,51 @@ async def test_client_url_and_the_openai_client(upstream_url, test_tokenizer_dir
                 await client.get(session)
 
 
+async def test_tool_turns_through_the_client(test_tokenizer_dir, tmp_path):
+    """tools, tool_choice and chat_template_kwargs go through; tool_calls and reasoning_content come
+    back; the tool result continues the session."""
+    from rolloutfleet_testkit.scripted_upstream import ScriptedUpstream
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(test_tokenizer_dir))
+    upstream = ScriptedUpstream(
+        lambda ids: tokenizer.decode(ids, skip_special_tokens=True), [tokenizer.eos_token_id]
+    )
+    call = (
+        "<think>\nadd them\n</think>\n\n<tool_call>\n"
+        '{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call><|im_end|>'
+    )
+    upstream.script(
+        tokenizer.encode(call, add_special_tokens=False),
+        tokenizer.encode("5<|im_end|>", add_special_tokens=False),
+    )
+    calculator = {"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}
+    parsers = {"tool_call_parser": "qwen25", "reasoning_parser": "qwen3"}
+    with (
+        serve_app(upstream) as url,
+        running_proxy(url, test_tokenizer_dir, tmp_path / "d", **parsers) as proxy,
+    ):
+        async with FleetClient([proxy.url], admin_key=ADMIN_KEY) as client:
+            session = await client.create_session()
+            messages: list[dict] = [{"role": "user", "content": "2+3?"}]
+            options = {"tools": [calculator], "tool_choice": "auto", "chat_template_kwargs": {"x": 1}}
+            reply = await client.chat(session, messages, **options)
+            message = reply["choices"][0]["message"]
+            assert reply["choices"][0]["finish_reason"] == "tool_calls"
+            assert message["reasoning_content"] == "add them"
+            assert message["tool_calls"][0]["function"] == {
+                "name": "calculator",
+                "arguments": '{"expression": "2+3"}',
+            }
+            messages += [
+                message,
+                {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": "5"},
+            ]
+            final = await client.chat(session, messages, **options)
+            assert final["choices"][0]["message"]["content"] == "5"
+            assert (await client.get(session, tokens=False))["num_turns"] == 2
+
+
 async def test_small_pools_open_a_client_per_few_concurrent_requests(upstream_url):
     from rolloutfleet_client.http_pool import ShardedAsyncClient
 

@@ -300,7 +300,11 @@ class FleetClient:
 
     async def chat(self, session: Session, messages: Sequence[Mapping[str, Any]], **params: Any) -> dict:
         """One turn: POST {owner}/v1/sessions/{id}/chat/completions. Send the whole conversation,
-        with earlier replies exactly as returned. Returns the OpenAI-style response dict."""
+        with earlier replies exactly as returned (tool calls included; `reasoning_content` may be
+        kept or dropped). `params` are the request's other fields: `max_tokens`, `temperature`, ...,
+        `tools`, `tool_choice`, `chat_template_kwargs` (e.g. {"enable_thinking": False}). Returns the
+        OpenAI-style response dict; its message carries `tool_calls` and `reasoning_content` when the
+        proxy's parsers found them."""
         if params.get("stream"):
             raise ValueError("chat() does not stream; use openai_base_url() with the openai client for that")
         body = {"model": params.pop("model", DEFAULT_MODEL), "messages": list(messages), **params}
