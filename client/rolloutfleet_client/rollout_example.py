@@ -9,7 +9,9 @@ trajectories exported and acknowledged with the trainer client.
 
 Each session is a toy task ("What is a + b?", then follow-ups), scored per turn (1 when the reply
 contains the answer); the session's reward is its last turn's score, and with `--turn-rewards`
-every turn's score is set as that turn's reward too. A session that cannot be
+every turn's score is set as that turn's reward too. With `--tools` the sessions offer a calculator
+tool: a reply that calls it gets the tool's result as the next turn's message (an agentic tool
+turn) instead of a follow-up question. A session that cannot be
 completed (for example `SessionLost`) is counted as a failure, never replaced. Progress lines go
 to stdout; the last line is a JSON summary. Exit code 0 when every session completed.
 
@@ -33,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .calculator import CALCULATOR_TOOL, run_tool_call
 from .errors import FleetClientError
 from .fleet_client import FleetClient
 from .placement import POLICIES
@@ -53,6 +56,7 @@ class Outcome:
     session_id: str | None = None
     owner: str | None = None
     turns: int = 0
+    tool_calls: int = 0
     reward: float | None = None
     error: str | None = None
     latencies: list[float] = field(default_factory=list)
@@ -74,9 +78,10 @@ async def run_session(
     seed: int,
     counts: Counter[str],
     turn_rewards: bool = False,
+    tools: bool = False,
 ) -> Outcome:
     """Create one session, run `turns` turns, set the session reward (and with `turn_rewards`
-    each turn's), finish."""
+    each turn's), finish. With `tools`, tool calls are answered by the calculator."""
     outcome = Outcome(index)
     question, answer = task_for(index, seed)
     try:
@@ -87,11 +92,12 @@ async def run_session(
             {"role": "user", "content": question},
         ]
         scores: list[float] = []
+        offered = {"tools": [CALCULATOR_TOOL]} if tools else {}
         outcome.began = time.perf_counter()
         for turn in range(turns):
             sent = time.perf_counter()
             reply = await fleet.chat(
-                session, messages, max_tokens=max_tokens, temperature=0.7, seed=seed + turn
+                session, messages, max_tokens=max_tokens, temperature=0.7, seed=seed + turn, **offered
             )
             outcome.latencies.append(time.perf_counter() - sent)
             outcome.turns += 1
@@ -100,7 +106,14 @@ async def run_session(
             content = message.get("content") or ""
             scores.append(1.0 if str(answer) in content else 0.0)
             messages.append(message)  # exactly as returned
-            messages.append({"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]})
+            calls = message.get("tool_calls") or []
+            outcome.tool_calls += len(calls)
+            if calls:  # the next turn carries the tool results
+                for call in calls:
+                    result = run_tool_call(call)
+                    messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+            else:
+                messages.append({"role": "user", "content": FOLLOW_UPS[turn % len(FOLLOW_UPS)]})
         outcome.ended = time.perf_counter()
         if turn_rewards:
             await asyncio.gather(*(fleet.reward(session, v, turn=t) for t, v in enumerate(scores)))
@@ -124,6 +137,7 @@ async def run_rollouts(
     stagger_s: float = 0.0,
     seed: int = 0,
     turn_rewards: bool = False,
+    tools: bool = False,
     progress: Callable[[str], None] = print,
     progress_interval_s: float = 2.0,
 ) -> list[Outcome]:
@@ -140,7 +154,7 @@ async def run_rollouts(
     async def one(index: int) -> Outcome:
         await asyncio.sleep(offsets[index])
         async with gate:
-            return await run_session(fleet, index, turns, max_tokens, seed, counts, turn_rewards)
+            return await run_session(fleet, index, turns, max_tokens, seed, counts, turn_rewards, tools)
 
     async def report() -> None:
         while True:
@@ -213,6 +227,7 @@ def summarize(outcomes: list[Outcome], elapsed: float) -> dict[str, Any]:
         "sessions": len(outcomes),
         "completed": len(outcomes) - len(failed),
         "turns": turns,
+        "tool_calls": sum(o.tool_calls for o in outcomes),
         "failures": len(failed),
         "failed_sessions": [{"session_id": o.session_id, "error": o.error} for o in failed[:20]],
         "elapsed_s": round(elapsed, 3),
@@ -271,6 +286,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--turn-rewards", action="store_true", help="also set a reward on every turn")
     parser.add_argument(
+        "--tools", action="store_true", help="offer a calculator tool and answer the model's calls to it"
+    )
+    parser.add_argument(
         "--stagger-s", type=float, default=0.0, help="spread the first wave's starts over this"
     )
     parser.add_argument("--restart-timeout-s", type=float, default=300.0)
@@ -303,6 +321,7 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             stagger_s=args.stagger_s,
             seed=args.seed,
             turn_rewards=args.turn_rewards,
+            tools=args.tools,
             progress=lambda line: print(line, flush=True),
             progress_interval_s=args.progress_interval_s,
         )

@@ -58,7 +58,8 @@ class ScriptedUpstream:
         }
         if body.get("return_logprob"):
             logprobs = reply_logprobs(len(output_ids))
-            meta["output_token_logprobs"] = [[lp, i, None] for lp, i in zip(logprobs, output_ids, strict=True)]
+            pairs = zip(logprobs, output_ids, strict=True)
+            meta["output_token_logprobs"] = [[logprob, i, None] for logprob, i in pairs]
         return 200, {"text": self._decode(output_ids), "output_ids": output_ids, "meta_info": meta}
 
     async def __call__(self, scope: dict, receive, send) -> None:

@@ -12,18 +12,31 @@ import argparse
 import asyncio
 import time
 import uuid
+from collections.abc import Callable
 
 import orjson
 
 from .asgi import lifespan, read_body, send_json
+
+# A reply rule: the output ids for a prompt's input ids, or None to answer with the fixed tokens.
+ReplyRule = Callable[[list[int]], "list[int] | None"]
 
 SERVED_MODEL_NAME = "rolloutfleet-upstream-stub"
 # Every stub token gets this logprob (the stub has no model; a constant is easy to check).
 TOKEN_LOGPROB = -0.5
 
 
-def stub_answer(body: object, output_tokens: int, token_id: int, latency_s: float) -> dict:
-    """The SGLang `/generate` answer for a request body (raises ValueError for a bad body)."""
+def stub_answer(
+    body: object,
+    output_tokens: int,
+    token_id: int,
+    latency_s: float,
+    reply_for: ReplyRule | None = None,
+    stop_id: int | None = None,
+) -> dict:
+    """The SGLang `/generate` answer for a request body (raises ValueError for a bad body). With a
+    `reply_for` rule that answers a prompt, its ids are the reply, finished on `stop_id` as SGLang
+    reports a matched stop token."""
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
     sampling_params = body.get("sampling_params") or {}
@@ -34,26 +47,42 @@ def stub_answer(body: object, output_tokens: int, token_id: int, latency_s: floa
     if isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool):
         count = max(0, min(count, max_new_tokens))
     input_ids = body.get("input_ids")
+    output_ids = [token_id] * count
+    finish: dict = {"type": "length", "length": count}
+    ruled = reply_for(input_ids) if reply_for is not None and isinstance(input_ids, list) else None
+    if ruled is not None:
+        output_ids, count = ruled, len(ruled)
+        if stop_id is not None and ruled and ruled[-1] == stop_id:
+            finish = {"type": "stop", "matched": stop_id}
     meta_info = {
         "id": uuid.uuid4().hex,
-        "finish_reason": {"type": "length", "length": count},
+        "finish_reason": finish,
         "prompt_tokens": len(input_ids) if isinstance(input_ids, list) else 0,
         "completion_tokens": count,
         "cached_tokens": 0,
         "e2e_latency": latency_s,
     }
     if body.get("return_logprob"):
-        meta_info["output_token_logprobs"] = [[TOKEN_LOGPROB, token_id, None]] * count
+        meta_info["output_token_logprobs"] = [[TOKEN_LOGPROB, i, None] for i in output_ids]
     # The stub has no tokenizer: the text is a readable placeholder, one piece per token.
-    return {"text": f"<{token_id}>" * count, "output_ids": [token_id] * count, "meta_info": meta_info}
+    return {"text": "".join(f"<{i}>" for i in output_ids), "output_ids": output_ids, "meta_info": meta_info}
 
 
 class UpstreamStub:
     """The ASGI app. `requests` counts the `/generate` answers sent."""
 
-    def __init__(self, latency_s: float, output_tokens: int, token_id: int = 42) -> None:
+    def __init__(
+        self,
+        latency_s: float,
+        output_tokens: int,
+        token_id: int = 42,
+        reply_for: ReplyRule | None = None,
+        stop_id: int | None = None,
+    ) -> None:
         if latency_s < 0 or output_tokens < 0:
             raise ValueError("latency_s and output_tokens must be >= 0")
+        self.reply_for = reply_for
+        self.stop_id = stop_id
         self.latency_s = latency_s
         self.output_tokens = output_tokens
         self.token_id = token_id
@@ -99,7 +128,10 @@ class UpstreamStub:
 
     async def _generate(self, raw: bytes, send) -> None:
         try:
-            answer = stub_answer(orjson.loads(raw), self.output_tokens, self.token_id, self.latency_s)
+            body = orjson.loads(raw)
+            answer = stub_answer(
+                body, self.output_tokens, self.token_id, self.latency_s, self.reply_for, self.stop_id
+            )
         except (orjson.JSONDecodeError, ValueError) as exc:
             await send_json(send, 400, {"error": {"message": str(exc)}})
             return
@@ -111,8 +143,14 @@ class UpstreamStub:
         await send_json(send, 200, answer)
 
 
-def create_app(latency_s: float, output_tokens: int, token_id: int = 42) -> UpstreamStub:
-    return UpstreamStub(latency_s, output_tokens, token_id)
+def create_app(
+    latency_s: float,
+    output_tokens: int,
+    token_id: int = 42,
+    reply_for: ReplyRule | None = None,
+    stop_id: int | None = None,
+) -> UpstreamStub:
+    return UpstreamStub(latency_s, output_tokens, token_id, reply_for, stop_id)
 
 
 def main(argv: list[str] | None = None) -> None:
