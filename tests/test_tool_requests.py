@@ -322,3 +322,18 @@ def test_tools_without_a_parser_are_refused(test_tokenizer_dir, tmp_path):
         assert response.status_code == 400
         assert "toolCallParser" in response.json()["error"]["message"]
         assert upstream.prompts == []
+
+
+def test_special_tokens_left_in_a_parsed_reply_are_removed_like_sglang_decoding(scripted):
+    proxy, upstream, tokenizer = scripted
+    sid, key = proxy.create_session()
+    reply = tokenizer.encode("Hi<|endoftext|> there<|im_end|>", add_special_tokens=False)
+    upstream.script(reply)
+    response = httpx.post(
+        f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        json={"messages": [{"role": "user", "content": "w?"}], "tools": [WEATHER]},
+    )
+    assert response.json()["choices"][0]["message"]["content"] == "Hi there"
+    _, output_start, end = proxy.get(sid, key).json()["trajectory"]["turns"][0]
+    assert proxy.get(sid, key).json()["trajectory"]["input_ids"][output_start:end] == reply

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -102,7 +103,11 @@ class TurnTokenizer:
         self.end_of_generation_ids = frozenset(stop_ids) | (
             frozenset() if self.eos_token_id is None else {self.eos_token_id}
         )
-        self._added_ids = frozenset(tokenizer.added_tokens_decoder)
+        added = tokenizer.added_tokens_decoder
+        self._added_ids = frozenset(added)
+        # Longest first, so a token that contains another is removed whole.
+        specials = sorted((t.content for t in added.values() if t.special), key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         kwargs = dict(default_kwargs or {})
         self.message_closer_id = self._find_closer(kwargs)
         self._check_incremental(kwargs, tool_results)
@@ -140,6 +145,10 @@ class TurnTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def without_special_tokens(self, text: str) -> str:
+        """The text with special tokens' strings removed, as decoding with skip_special_tokens does."""
+        return self._specials.sub("", text) if self._specials is not None and text else text
 
     def token_strings(self, ids: Sequence[int]) -> list[str]:
         """Each token's own text (not the vocabulary piece, e.g. "Ġword" in byte-level BPE)."""

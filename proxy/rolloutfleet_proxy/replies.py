@@ -4,7 +4,8 @@ The recorded ids are the model's own, whatever is parsed out of them: parsing on
 client is told (and the history it must send back). Parsing works on the reply decoded with its
 special tokens (SGLang decodes without them by default, which would erase harmony's and GLM's
 markup), minus the token that stopped it and minus a matched stop string (SGLang trims it from the
-text; its tokens stay recorded). A malformed tool call stays plain content: never an error.
+text; its tokens stay recorded); special tokens the parsers leave over are then removed, as SGLang's
+decoding would. A malformed tool call stays plain content: never an error.
 """
 
 from __future__ import annotations
@@ -91,8 +92,11 @@ class ReplyBuilder:
         if self.reasoning_parser is not None:
             split = self.reasoning_parser.split(text, prompt_opens_reasoning(prompt_tail))
             reasoning, text = split.reasoning, split.content
+        clean = self._tokenizer.without_special_tokens  # what the parsers did not consume
+        if reasoning is not None:
+            reasoning = clean(reasoning)
         if not parse_calls:
-            return Reply(text, reasoning)
+            return Reply(clean(text), reasoning)
         assert self.tool_parser is not None and tools is not None
         parsed = self.tool_parser.parse(text, tools.names)
         calls = [
@@ -103,4 +107,4 @@ class ReplyBuilder:
             }
             for call in parsed.tool_calls
         ]
-        return Reply(parsed.content, reasoning, calls)
+        return Reply(clean(parsed.content), reasoning, calls)
