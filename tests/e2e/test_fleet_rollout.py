@@ -5,7 +5,9 @@ when an owner is deleted mid-rollout, or restarted by the memory watchdog, every
 with all its turns; a session whose dump was removed on purpose is reported as lost, by name.
 
 The engine is the fixed-latency upstream stand-in (a test stand-in for SGLang) on 127.0.0.1, behind
-the real router; the latency keeps sessions in flight while proxies come and go.
+the real router; the latency keeps sessions in flight while proxies come and go. When a prompt offers
+tools, it answers as a tool-using model would (the calculator stand-in): the second rollout runs
+with the calculator tool, so its sessions take tool turns while the watchdog restarts their owners.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 from operator_install import installed_operator
 from rolloutfleet_operator.plan import is_ready
 from rolloutfleet_testkit import fleet_setup
+from rolloutfleet_testkit.calculator_model import CalculatorModel
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_upstream_stub
 from waiting import wait_for
@@ -52,13 +55,13 @@ def fleet_ready(cluster, replicas: int = REPLICAS) -> bool:
     return conditions.get("Ready") == "True" and len(pods) == replicas and all(map(is_ready, pods.values()))
 
 
-def start_rollout(cluster, harness, work: Path, name: str, sessions: int, turns: int) -> Path:
+def start_rollout(cluster, harness, work: Path, name: str, sessions: int, turns: int, *extra: str) -> Path:
     """The example rollout as a pod, configured by the fleet object only; returns its log file."""
     (work / "fleet.json").write_text(
         cluster.kubectl("get", "rf", FLEET, "-n", NAMESPACE, "-o", "json").stdout
     )
     args = ["--fleet-status", "/rollout/fleet.json", "--sessions", str(sessions), "--turns", str(turns)]
-    args += ["--stagger-s", "1", "--restart-timeout-s", "240", "--progress-interval-s", "1"]
+    args += ["--stagger-s", "1", "--restart-timeout-s", "240", "--progress-interval-s", "1", *extra]
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
@@ -108,7 +111,9 @@ def test_sessions_ride_through_proxy_replacement_and_lost_ones_are_named(
 ):
     harness = cluster.kubelet
     dumps = tmp_path / "dumps"
-    with serve_app(create_upstream_stub(TURN_LATENCY_S, 8)) as engine_url:
+    model = CalculatorModel(test_tokenizer_dir)
+    stub = create_upstream_stub(TURN_LATENCY_S, 8, reply_for=model, stop_id=model.stop_id)
+    with serve_app(stub) as engine_url:
         fleet = fleet_setup.external_fleet(
             FLEET,
             NAMESPACE,
@@ -119,6 +124,7 @@ def test_sessions_ride_through_proxy_replacement_and_lost_ones_are_named(
             drainGraceSeconds=10,
             terminationGracePeriodSeconds=30,
             memory={"checkIntervalSeconds": 1, "consecutiveSamples": 1, "cooldownSeconds": 600},
+            toolCallParser="qwen25",
         )
         cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
         wait_for(lambda: fleet_ready(cluster), timeout_s=180, what="the fleet Ready", interval_s=1)
@@ -152,15 +158,18 @@ def test_sessions_ride_through_proxy_replacement_and_lost_ones_are_named(
         assert proxy_pods(cluster)[f"{FLEET}-proxy-1"]["metadata"]["uid"] != before[f"{FLEET}-proxy-1"]
 
         # 2. Every owner restarted by the memory watchdog mid-rollout (a budget below any proxy's
-        # RSS; one restart each, then a 10-minute cooldown): nothing is lost.
+        # RSS; one restart each, then a 10-minute cooldown), while sessions take tool turns: nothing
+        # is lost.
         wait_for(lambda: fleet_ready(cluster), timeout_s=120, what="the fleet Ready again", interval_s=1)
-        log = start_rollout(cluster, harness, tmp_path, "rollout-b", sessions=24, turns=6)
+        log = start_rollout(cluster, harness, tmp_path, "rollout-b", 24, 6, "--tools")
         time.sleep(3 * TURN_LATENCY_S + 1)
         patch = {"spec": {"proxy": {"memory": {"rssBudgetBytes": 1}}}}
         cluster.kubectl("patch", "rf", FLEET, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch))
         summary = rollout_summary(cluster, log, "rollout-b")
         assert summary["failures"] == 0, summary["failed_sessions"]
         assert summary["sessions"] == 24 and summary["turns"] == 24 * 6
+        assert summary["tool_calls"] == 24, "each session called the calculator once"
+        assert summary["mean_reward"] == 1.0, "each session answered with the tool's result"
         assert summary["trajectories_exported"] == 24
         restarts = get(cluster, "rf", FLEET)["status"]["memoryRestarts"]["total"]
         assert restarts >= 1, "the watchdog restarted proxies during the rollout"
