@@ -52,8 +52,11 @@ def upstream_stub(work: Path, latency_s: float, output_tokens: int) -> Iterator[
         yield f"http://127.0.0.1:{port}", psutil.Process(stub.pid)
 
 
-def proxy_args(work: Path, port: int, upstream_url: str, *flags: str) -> list[str]:
-    """The command line of a benchmarked proxy on 127.0.0.1:`port`, with its own dump directory."""
+def proxy_args(
+    work: Path, port: int, upstream_url: str, *flags: str, tokenizer: Path | None = None
+) -> list[str]:
+    """The command line of a benchmarked proxy on 127.0.0.1:`port`, with its own dump directory
+    (and the test tokenizer unless `tokenizer` names another directory)."""
     return proxy_command(
         "--host",
         "127.0.0.1",
@@ -62,7 +65,7 @@ def proxy_args(work: Path, port: int, upstream_url: str, *flags: str) -> list[st
         "--upstream-url",
         upstream_url,
         "--tokenizer-path",
-        str(tokenizer_dir()),
+        str(tokenizer or tokenizer_dir()),
         "--dump-dir",
         str(work / f"dumps-{port}"),
         *flags,
@@ -70,10 +73,12 @@ def proxy_args(work: Path, port: int, upstream_url: str, *flags: str) -> list[st
 
 
 @contextlib.contextmanager
-def proxy_process(work: Path, upstream_url: str, *flags: str) -> Iterator[tuple[str, psutil.Process]]:
+def proxy_process(
+    work: Path, upstream_url: str, *flags: str, tokenizer: Path | None = None
+) -> Iterator[tuple[str, psutil.Process]]:
     """The proxy as it runs in its image: its own process, proxy-only environment when available."""
     port = free_port()
-    args = proxy_args(work, port, upstream_url, *flags)
+    args = proxy_args(work, port, upstream_url, *flags, tokenizer=tokenizer)
     with ServerProcess(
         args, work / f"proxy-{port}.log", env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY}
     ) as proxy:

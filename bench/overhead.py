@@ -130,7 +130,13 @@ def summarize(measured: Measured, sessions: int, latency_s: float) -> dict:
 
 
 def run_one(
-    work: Path, sessions: int, turns: int, latency_s: float, output_tokens: int, log_requests: bool
+    work: Path,
+    sessions: int,
+    turns: int,
+    latency_s: float,
+    output_tokens: int,
+    log_requests: bool,
+    tokenizer: Path | None = None,
 ) -> dict:
     """One K: the same closed-loop load straight to the stand-in, then through a fresh proxy."""
     me = psutil.Process()
@@ -142,7 +148,7 @@ def run_one(
         direct = summarize(measured, sessions, latency_s)
         flags = ["--upstream-max-connections", str(max(1024, sessions * 2))]
         flags.append("--log-requests" if log_requests else "--no-log-requests")
-        with proxy_process(work, stub, *flags) as (proxy, proxy_process_):
+        with proxy_process(work, stub, *flags, tokenizer=tokenizer) as (proxy, proxy_process_):
             progress(f"K={sessions}: through the proxy, {sessions * turns} turns")
             processes = {"proxy": proxy_process_, "upstream_stub": stub_process, "load_generator": me}
             before = {name: cpu_seconds(p) for name, p in processes.items()}
@@ -215,15 +221,25 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--no-log-requests", action="store_true", help="turn the per-request log line off")
     parser.add_argument("--work-dir", type=Path, help="keep logs here (default: a temporary directory)")
+    parser.add_argument(
+        "--family", help="a model family's real tokenizer and template (test kit: qwen3, llama31, ...)"
+    )
     args = parser.parse_args()
+    tokenizer = None
+    if args.family:
+        from rolloutfleet_testkit.model_families import FAMILIES
+
+        tokenizer = FAMILIES[args.family].build_cached()
     with tempfile.TemporaryDirectory(prefix="rf-bench-overhead-") as tmp:
         work = args.work_dir or Path(tmp)
         runs = [
-            run_one(work, k, args.turns, args.latency_s, args.output_tokens, not args.no_log_requests)
+            run_one(
+                work, k, args.turns, args.latency_s, args.output_tokens, not args.no_log_requests, tokenizer
+            )
             for k in args.sessions
         ]
-    suffix = "-nolog" if args.no_log_requests else ""
-    save_result("overhead" + suffix, {"runs": runs})
+    suffix = ("-nolog" if args.no_log_requests else "") + (f"-{args.family}" if args.family else "")
+    save_result("overhead" + suffix, {"runs": runs, "tokenizer": args.family or "test tokenizer"})
     plot(runs, IMAGES / f"overhead{suffix}.png")
 
 

@@ -104,43 +104,58 @@ def canonical_message(message: Any) -> dict[str, Any]:
     """The fields of a message that define the conversation, normalised (None fields dropped).
 
     `reasoning_content` is kept when present (the template may render it) but is not part of the
-    digest (see `digest_fields`)."""
-    if not isinstance(message, Mapping):
-        raise InvalidMessage("each message must be a JSON object")
+    digest (see `digest_fields`). Runs for every message of every turn: plain dict checks first."""
+    if not isinstance(message, dict):
+        if not isinstance(message, Mapping):
+            raise InvalidMessage("each message must be a JSON object")
+        message = dict(message)
     role = message.get("role")
     if not isinstance(role, str) or role not in ROLES:
         raise InvalidMessage(f"message role must be one of {sorted(ROLES)}, got {role!r}")
-    canonical: dict[str, Any] = {"role": role, "content": message_text(message.get("content"))}
-    name = message.get("name")
-    if name:
-        if not isinstance(name, str):
-            raise InvalidMessage("message name must be a string")
-        canonical["name"] = name
-    tool_calls = message.get("tool_calls")
-    if tool_calls:
-        if role != "assistant":
-            raise InvalidMessage("only assistant messages carry tool_calls")
-        canonical["tool_calls"] = canonical_tool_calls(tool_calls)
-    call_id = message.get("tool_call_id")
+    content = message.get("content")
+    canonical: dict[str, Any] = {
+        "role": role,
+        "content": content if type(content) is str else message_text(content),
+    }
+    if len(message) > 1 + ("content" in message):  # fields beyond role and content
+        name = message.get("name")
+        if name:
+            if not isinstance(name, str):
+                raise InvalidMessage("message name must be a string")
+            canonical["name"] = name
+        tool_calls = message.get("tool_calls")
+        if tool_calls:
+            if role != "assistant":
+                raise InvalidMessage("only assistant messages carry tool_calls")
+            canonical["tool_calls"] = canonical_tool_calls(tool_calls)
+        reasoning = message.get("reasoning_content")
+        if reasoning:
+            if role != "assistant" or not isinstance(reasoning, str):
+                raise InvalidMessage("reasoning_content must be a string on an assistant message")
+            canonical["reasoning_content"] = reasoning
     if role == "tool":
+        call_id = message.get("tool_call_id")
         if not isinstance(call_id, str) or not call_id:
             raise InvalidMessage("a tool message needs the tool_call_id of the call it answers")
         canonical["tool_call_id"] = call_id
-    reasoning = message.get("reasoning_content")
-    if reasoning:
-        if role != "assistant" or not isinstance(reasoning, str):
-            raise InvalidMessage("reasoning_content must be a string on an assistant message")
-        canonical["reasoning_content"] = reasoning
     return canonical
 
 
-def digest_fields(canonical: Mapping[str, Any]) -> dict[str, Any]:
+def digest_fields(canonical: Mapping[str, Any]) -> Mapping[str, Any]:
+    if "reasoning_content" not in canonical:
+        return canonical
     return {k: v for k, v in canonical.items() if k != "reasoning_content"}
 
 
 def extend_digest(digest: bytes, messages: Iterable[Mapping[str, Any]]) -> bytes:
+    """The digest after `messages` (any form: they are canonicalized first)."""
+    return extend_canonical_digest(digest, (canonical_message(m) for m in messages))
+
+
+def extend_canonical_digest(digest: bytes, messages: Iterable[Mapping[str, Any]]) -> bytes:
+    """The digest after messages already in canonical form (`canonical_message`'s output)."""
     for message in messages:
-        encoded = orjson.dumps(digest_fields(canonical_message(message)), option=orjson.OPT_SORT_KEYS)
+        encoded = orjson.dumps(digest_fields(message), option=orjson.OPT_SORT_KEYS)
         digest = hashlib.blake2b(digest + encoded, digest_size=32).digest()
     return digest
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from .chat_tokens import TemplateError, TurnTokenizer
 from .errors import ProxyError, bad_request, conflict, gone, unavailable
 from .generation import GenerationControl
-from .history import extend_digest, tools_digest
+from .history import extend_canonical_digest, extend_digest, tools_digest
 from .openai_format import ChatRequest
 from .replies import Reply, ReplyBuilder
 from .session import Session
@@ -70,7 +70,7 @@ class TurnService:
                 f"the session has recorded {recorded} messages; send the full history plus new ones",
             )
         seed = tools_digest(request.tools.tools if request.tools else None)
-        if recorded and extend_digest(seed, messages[:recorded]) != session.history_digest:
+        if recorded and extend_canonical_digest(seed, messages[:recorded]) != session.history_digest:
             raise conflict(
                 "history_mismatch",
                 f"the first {recorded} messages or the tools differ from what this session recorded "
@@ -90,7 +90,7 @@ class TurnService:
             raise bad_request("template_error", str(exc)) from None
         except Exception as exc:  # jinja raise_exception and friends: the messages do not fit the template
             raise bad_request("template_error", f"chat template failed on these messages: {exc}") from None
-        return ids, text, extend_digest(session.history_digest if recorded else seed, new)
+        return ids, text, extend_canonical_digest(session.history_digest if recorded else seed, new)
 
     async def run_turn(self, session: Session, request: ChatRequest, timings: dict[str, float]) -> TurnResult:
         if self._gauges.draining:
