@@ -84,7 +84,7 @@ def test_the_example_rollout_with_tools(test_tokenizer_dir, tmp_path, monkeypatc
     from rolloutfleet_client.rollout_example import main
 
     model = CalculatorModel(test_tokenizer_dir)
-    stub = create_stub_app(0.0, 4, reply_for=model, stop_id=model.stop_id)
+    stub = create_stub_app(0.0, 4, ruled=model.replies())
     with (
         serve_app(stub) as url,
         running_proxy(url, test_tokenizer_dir, tmp_path / "dumps", tool_call_parser="qwen25") as proxy,

@@ -15,6 +15,8 @@ import json
 import re
 from pathlib import Path
 
+from .upstream_stub import RuledReplies
+
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
 QUESTION = re.compile(r"What is (\d+) \+ (\d+)\?")
 
@@ -41,3 +43,7 @@ class CalculatorModel:
     def __call__(self, input_ids: list[int]) -> list[int] | None:
         text = self.reply_text(self._tokenizer.decode(input_ids, skip_special_tokens=False))
         return None if text is None else self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def replies(self) -> RuledReplies:
+        """For the upstream stub: this model's replies, stopping on `<|im_end|>`."""
+        return RuledReplies(self, frozenset({self.stop_id}), lambda ids: self._tokenizer.decode(ids))

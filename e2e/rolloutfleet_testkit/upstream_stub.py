@@ -4,6 +4,10 @@ and latency-controlled tests.
 Every `/generate` waits `latency_s` (asyncio, so any number of requests wait concurrently) and
 answers a fixed token sequence in SGLang's answer shape. It is a bare ASGI app with orjson and
 no model, so its own CPU cost per request stays far below the proxy's that it is used to measure.
+
+With `RuledReplies`, a rule writes the reply for each prompt instead (tests that need replies in a
+model family's own format, or a tool-using model's behaviour): a reply ending on one of the stop
+ids finishes as SGLang reports a matched stop token, `{"type": "stop", "matched": <id>}`.
 """
 
 from __future__ import annotations
@@ -13,30 +17,35 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 
 from .asgi import lifespan, read_body, send_json
-
-# A reply rule: the output ids for a prompt's input ids, or None to answer with the fixed tokens.
-ReplyRule = Callable[[list[int]], "list[int] | None"]
 
 SERVED_MODEL_NAME = "rolloutfleet-upstream-stub"
 # Every stub token gets this logprob (the stub has no model; a constant is easy to check).
 TOKEN_LOGPROB = -0.5
 
 
+@dataclass(frozen=True)
+class RuledReplies:
+    """Replies a rule writes for a prompt's input ids (None from the rule: the fixed tokens)."""
+
+    reply_for: Callable[[list[int]], list[int] | None]
+    stop_ids: frozenset[int] = frozenset()
+    decode: Callable[[list[int]], str] | None = None  # SGLang's `text`; a placeholder without it
+
+
+def reply_logprobs(count: int) -> list[float]:
+    """Distinct, checkable logprobs for a ruled reply of `count` tokens."""
+    return [-0.01 * (i + 1) for i in range(count)]
+
+
 def stub_answer(
-    body: object,
-    output_tokens: int,
-    token_id: int,
-    latency_s: float,
-    reply_for: ReplyRule | None = None,
-    stop_id: int | None = None,
+    body: object, output_tokens: int, token_id: int, latency_s: float, ruled: RuledReplies | None = None
 ) -> dict:
-    """The SGLang `/generate` answer for a request body (raises ValueError for a bad body). With a
-    `reply_for` rule that answers a prompt, its ids are the reply, finished on `stop_id` as SGLang
-    reports a matched stop token."""
+    """The SGLang `/generate` answer for a request body (raises ValueError for a bad body)."""
     if not isinstance(body, dict):
         raise ValueError("the request body must be a JSON object")
     sampling_params = body.get("sampling_params") or {}
@@ -48,12 +57,13 @@ def stub_answer(
         count = max(0, min(count, max_new_tokens))
     input_ids = body.get("input_ids")
     output_ids = [token_id] * count
+    logprobs = [TOKEN_LOGPROB] * count
     finish: dict = {"type": "length", "length": count}
-    ruled = reply_for(input_ids) if reply_for is not None and isinstance(input_ids, list) else None
-    if ruled is not None:
-        output_ids, count = ruled, len(ruled)
-        if stop_id is not None and ruled and ruled[-1] == stop_id:
-            finish = {"type": "stop", "matched": stop_id}
+    reply = ruled.reply_for(input_ids) if ruled is not None and isinstance(input_ids, list) else None
+    if reply is not None:
+        output_ids, count, logprobs = reply, len(reply), reply_logprobs(len(reply))
+        if reply and reply[-1] in ruled.stop_ids:  # type: ignore[union-attr]
+            finish = {"type": "stop", "matched": reply[-1]}
     meta_info = {
         "id": uuid.uuid4().hex,
         "finish_reason": finish,
@@ -63,9 +73,14 @@ def stub_answer(
         "e2e_latency": latency_s,
     }
     if body.get("return_logprob"):
-        meta_info["output_token_logprobs"] = [[TOKEN_LOGPROB, i, None] for i in output_ids]
-    # The stub has no tokenizer: the text is a readable placeholder, one piece per token.
-    return {"text": "".join(f"<{i}>" for i in output_ids), "output_ids": output_ids, "meta_info": meta_info}
+        meta_info["output_token_logprobs"] = [
+            [lp, i, None] for lp, i in zip(logprobs, output_ids, strict=True)
+        ]
+    if ruled is not None and ruled.decode is not None:
+        text = ruled.decode(output_ids)
+    else:  # no tokenizer: a readable placeholder, one piece per token
+        text = "".join(f"<{i}>" for i in output_ids)
+    return {"text": text, "output_ids": output_ids, "meta_info": meta_info}
 
 
 class UpstreamStub:
@@ -76,13 +91,11 @@ class UpstreamStub:
         latency_s: float,
         output_tokens: int,
         token_id: int = 42,
-        reply_for: ReplyRule | None = None,
-        stop_id: int | None = None,
+        ruled: RuledReplies | None = None,
     ) -> None:
         if latency_s < 0 or output_tokens < 0:
             raise ValueError("latency_s and output_tokens must be >= 0")
-        self.reply_for = reply_for
-        self.stop_id = stop_id
+        self.ruled = ruled
         self.latency_s = latency_s
         self.output_tokens = output_tokens
         self.token_id = token_id
@@ -129,9 +142,7 @@ class UpstreamStub:
     async def _generate(self, raw: bytes, send) -> None:
         try:
             body = orjson.loads(raw)
-            answer = stub_answer(
-                body, self.output_tokens, self.token_id, self.latency_s, self.reply_for, self.stop_id
-            )
+            answer = stub_answer(body, self.output_tokens, self.token_id, self.latency_s, self.ruled)
         except (orjson.JSONDecodeError, ValueError) as exc:
             await send_json(send, 400, {"error": {"message": str(exc)}})
             return
@@ -147,10 +158,9 @@ def create_app(
     latency_s: float,
     output_tokens: int,
     token_id: int = 42,
-    reply_for: ReplyRule | None = None,
-    stop_id: int | None = None,
+    ruled: RuledReplies | None = None,
 ) -> UpstreamStub:
-    return UpstreamStub(latency_s, output_tokens, token_id, reply_for, stop_id)
+    return UpstreamStub(latency_s, output_tokens, token_id, ruled)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -112,7 +112,7 @@ def test_sessions_ride_through_proxy_replacement_and_lost_ones_are_named(
     harness = cluster.kubelet
     dumps = tmp_path / "dumps"
     model = CalculatorModel(test_tokenizer_dir)
-    stub = create_upstream_stub(TURN_LATENCY_S, 8, reply_for=model, stop_id=model.stop_id)
+    stub = create_upstream_stub(TURN_LATENCY_S, 8, ruled=model.replies())
     with serve_app(stub) as engine_url:
         fleet = fleet_setup.external_fleet(
             FLEET,
