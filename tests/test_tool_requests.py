@@ -161,6 +161,26 @@ def test_proxy_refuses_to_start_with_such_a_template(test_tokenizer_dir, tmp_pat
     assert "differently depending on the conversation before it" in log
 
 
+# Like gpt-oss's template: a tool result needs the tool call before it, so it cannot follow a reply
+# known only by its text, and tool results cannot be appended turn by turn.
+NEEDS_THE_CALL = (
+    "{% set ns = namespace(call=none) %}{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and m.get('tool_calls') %}"
+    "{% set ns.call = m['tool_calls'][0] %}{% endif %}"
+    "{% if m['role'] == 'tool' and ns.call is none %}{{ raise_exception('tool result without a tool call') }}"
+    "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_that_needs_the_call_is_refused_only_with_a_tool_call_parser(test_tokenizer_dir, tmp_path):
+    directory = tokenizer_with_template(test_tokenizer_dir, tmp_path / "tok", NEEDS_THE_CALL)
+    hf = AutoTokenizer.from_pretrained(str(directory))
+    TurnTokenizer(hf)  # plain chat works
+    with pytest.raises(TemplateError, match="cannot render a tool result after an assistant reply"):
+        TurnTokenizer(hf, tool_results=True)
+
+
 def test_unknown_parser_names_refuse_to_start(test_tokenizer_dir, tmp_path):
     code, log = proxy_exit(
         tmp_path, test_tokenizer_dir, "--dump-dir", str(tmp_path / "d"), "--tool-call-parser", "hermes2"
