@@ -137,11 +137,13 @@ class TurnService:
             timings["record_ms"] = _ms(t_rec, time.perf_counter())
             return TurnResult(session.num_turns - 1, generation, len(prompt), reply)
 
-    async def _generate(self, prompt: list[int], sampling: dict) -> tuple[Generation, int, float]:
+    async def _generate(
+        self, prompt: list[int], sampling: dict, session_id: str
+    ) -> tuple[Generation, int, float]:
         """Pass the pause gate, then generate: (generation, model version, seconds held by a pause)."""
         model_version, paused_s = await self._generation.enter()
         try:
-            return await self._upstream.generate(prompt, sampling), model_version, paused_s
+            return await self._upstream.generate(prompt, sampling, session_id), model_version, paused_s
         finally:
             self._generation.leave()
 
@@ -149,7 +151,7 @@ class TurnService:
         self, session: Session, prompt: list[int], sampling: dict
     ) -> tuple[Generation, int, float]:
         # One task for the wait at the gate and the call: a DELETE or the drain cancels either.
-        task = asyncio.create_task(self._generate(prompt, sampling))
+        task = asyncio.create_task(self._generate(prompt, sampling, session.session_id))
         session.in_flight = task
         self._gauges.inflight_turns += 1
         self.turns_done.clear()

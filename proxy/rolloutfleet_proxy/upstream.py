@@ -9,7 +9,10 @@ from typing import Any
 import aiohttp
 import orjson
 
-from .errors import ProxyError
+from .errors import ProxyError, bad_request
+
+# sglang-router's `manual` policy routes requests with the same key to the same engine.
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,32 @@ class Generation:
 def upstream_error(status: int, message: str) -> ProxyError:
     code = "upstream_timeout" if status == 504 else "upstream_error"
     return ProxyError(status, code, message)
+
+
+def sglang_error_message(body: bytes) -> str:
+    """The message of an SGLang error answer (`{"error": {"message": ...}}`, or `{"message": ...}`
+    as older releases and the router write it), else the body's first 300 characters."""
+    try:
+        answer = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        answer = None
+    if isinstance(answer, dict):
+        inner = answer.get("error")
+        message = inner.get("message") if isinstance(inner, dict) else answer.get("message")
+        if isinstance(message, str) and message:
+            return message[:1000]
+    return body[:300].decode(errors="replace")
+
+
+def refused_request(message: str) -> ProxyError:
+    """SGLang answers 400 for requests it will not run (`TokenizerManager._validate_one_request`,
+    `SamplingParams.verify`): the client's problem, not a retryable upstream failure."""
+    if "context length" in message.lower():
+        return bad_request(
+            "context_length_exceeded",
+            f"SGLang refused the turn: {message} (the conversation has reached the model's context length)",
+        )
+    return bad_request("invalid_sampling_params", f"SGLang refused the turn: {message}")
 
 
 def parse_generate_answer(body: bytes) -> Generation:
@@ -98,7 +127,12 @@ class SGLangClient:
         if self._session is not None:
             await self._session.close()
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any]) -> Generation:
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict[str, Any], routing_key: str | None = None
+    ) -> Generation:
+        """One `/generate`. `routing_key` (the session id) goes in `X-SMG-Routing-Key`, the header
+        sglang-router's `manual` policy routes by, so a session's turns stay on one engine's prefix
+        cache."""
         payload = orjson.dumps(
             {
                 "input_ids": input_ids,
@@ -109,15 +143,18 @@ class SGLangClient:
             }
         )
         try:
-            async with self._client().post(
-                self._url, data=payload, headers={"content-type": "application/json"}
-            ) as response:
+            headers = {"content-type": "application/json"}
+            if routing_key is not None:
+                headers[ROUTING_KEY_HEADER] = routing_key
+            async with self._client().post(self._url, data=payload, headers=headers) as response:
                 body = await response.read()
                 status = response.status
         except TimeoutError:
             raise upstream_error(504, "upstream /generate timed out") from None
         except aiohttp.ClientError as exc:
             raise upstream_error(502, f"upstream unreachable: {type(exc).__name__}: {exc}") from None
+        if status == 400:
+            raise refused_request(sglang_error_message(body))
         if status != 200:
             snippet = body[:300].decode(errors="replace")
             raise upstream_error(502, f"upstream /generate answered {status}: {snippet}")

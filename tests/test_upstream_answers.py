@@ -1,0 +1,78 @@
+"""How the proxy treats what SGLang answers: its 400s are the client's errors (not retryable 502s,
+the session unchanged), and every /generate carries the session as sglang-router's routing key.
+
+The upstream here is a few lines of ASGI answering as SGLang's `_create_error_response` does
+(`{"error": {"message": ...}}`, HTTP 400) with the messages of `TokenizerManager._validate_one_request`
+and `SamplingParams.verify`; it records each request's headers."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from proxy_harness import running_proxy
+from rolloutfleet_proxy.upstream import ROUTING_KEY_HEADER, refused_request, sglang_error_message
+from rolloutfleet_testkit.asgi import lifespan, read_body, send_json
+from rolloutfleet_testkit.processes import serve_app
+
+CONTEXT = "The input (40000 tokens) is longer than the model's context length (32768 tokens)."
+TOTAL = (
+    "Requested token count exceeds the model's maximum context length of 32768 tokens. You requested "
+    "a total of 33000 tokens: 32000 tokens from the input messages and 1000 tokens for the completion."
+)
+TOP_K = "top_k must be -1 (disable), or at least 1, got 0."
+
+
+class RefusingUpstream:
+    def __init__(self, message: str):
+        self.message = message
+        self.headers: list[dict[str, str]] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+            return
+        await read_body(receive)
+        self.headers.append({k.decode().lower(): v.decode() for k, v in scope["headers"]})
+        await send_json(send, 400, {"error": {"message": self.message}})
+
+
+@pytest.mark.parametrize(
+    ("message", "code"),
+    [
+        (CONTEXT, "context_length_exceeded"),
+        (TOTAL, "context_length_exceeded"),
+        (TOP_K, "invalid_sampling_params"),
+    ],
+)
+def test_sglang_400s_are_the_clients_errors(message, code):
+    error = refused_request(sglang_error_message(b'{"error": {"message": "' + message.encode() + b'"}}'))
+    assert (error.status, error.code) == (400, code)
+    assert message in error.message
+
+
+def test_error_message_shapes():
+    assert sglang_error_message(b'{"message": "old shape"}') == "old shape"
+    assert sglang_error_message(b"not json") == "not json"
+    assert sglang_error_message(b'{"error": "x"}') == '{"error": "x"}'
+
+
+@pytest.mark.parametrize(
+    ("message", "code"), [(CONTEXT, "context_length_exceeded"), (TOP_K, "invalid_sampling_params")]
+)
+def test_a_refused_turn_is_400_with_the_session_unchanged_and_routed_by_session(
+    message, code, test_tokenizer_dir, tmp_path
+):
+    upstream = RefusingUpstream(message)
+    with serve_app(upstream) as url, running_proxy(url, test_tokenizer_dir, tmp_path / "d") as proxy:
+        sid, key = proxy.create_session()
+        before = proxy.get(sid, key).json()
+        response = httpx.post(
+            f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"messages": [{"role": "user", "content": "long story"}]},
+        )
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["code"] == code and message in error["message"]
+        assert proxy.get(sid, key).json() == before
+        assert upstream.headers[-1][ROUTING_KEY_HEADER.lower()] == sid
