@@ -76,3 +76,32 @@ def test_a_refused_turn_is_400_with_the_session_unchanged_and_routed_by_session(
         assert error["code"] == code and message in error["message"]
         assert proxy.get(sid, key).json() == before
         assert upstream.headers[-1][ROUTING_KEY_HEADER.lower()] == sid
+
+
+def test_length_with_eos_as_the_last_token_is_a_stop(test_tokenizer_dir, tmp_path):
+    """`Req.check_finished` tests max_new_tokens before EOS: when EOS is the last allowed token SGLang
+    says `length` with no `matched`. The reply is still closed by its EOS: the next turn must not add
+    a second `<|im_end|>`."""
+    from rolloutfleet_testkit.scripted_upstream import ScriptedUpstream
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(test_tokenizer_dir))
+    upstream = ScriptedUpstream(lambda ids: tokenizer.decode(ids, skip_special_tokens=True), stop_ids=())
+    reply = tokenizer.encode("Hello there<|im_end|>", add_special_tokens=False)
+    upstream.script(reply, reply)
+    with serve_app(upstream) as url, running_proxy(url, test_tokenizer_dir, tmp_path / "d") as proxy:
+        sid, key = proxy.create_session()
+        chat = f"{proxy.url}/v1/sessions/{sid}/chat/completions"
+        auth = {"Authorization": f"Bearer {key}"}
+        messages = [{"role": "user", "content": "hi"}]
+        first = httpx.post(chat, headers=auth, json={"messages": messages, "max_tokens": len(reply)}).json()
+        assert first["choices"][0]["finish_reason"] == "length"
+        messages += [first["choices"][0]["message"], {"role": "user", "content": "again"}]
+        assert httpx.post(chat, headers=auth, json={"messages": messages}).status_code == 200
+        ids = proxy.get(sid, key).json()["trajectory"]["input_ids"]
+        expected = tokenizer.apply_chat_template(
+            [*messages[:1], {"role": "assistant", "content": "Hello there"}, messages[2]],
+            add_generation_prompt=True,
+            tokenize=True,
+        )["input_ids"]
+        assert ids[: len(expected)] == expected, "one <|im_end|>, then the template's newline"
