@@ -1,10 +1,13 @@
-"""docs/proxy.md must keep up with the code: every setting, route, /stats field and metric is documented."""
+"""docs/proxy.md must keep up with the code: every setting, route, /stats field, metric and error code
+is documented."""
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
+import rolloutfleet_proxy
 from rolloutfleet_proxy.app import create_app
 from rolloutfleet_proxy.settings import ENV, ProxySettings
 from rolloutfleet_proxy.stats import StatsCollector
@@ -59,3 +62,35 @@ def test_every_stats_field_and_metric_is_documented(doc, app):
     ]
     missing = [name for name in fields + metrics if f"`{name}`" not in doc]
     assert not missing, f"/stats fields or metrics missing from {DOC.name}: {missing}"
+
+
+# Error helpers and the position of their `code` argument (errors.py defines them; its own fixed codes,
+# such as the unused `forbidden`, are not scanned).
+ERROR_CALLS = {
+    "bad_request": 0,
+    "conflict": 0,
+    "gone": 0,
+    "unavailable": 0,
+    "ProxyError": 1,
+    "error_response": 1,
+}
+
+
+def test_every_error_code_is_documented(doc):
+    package = Path(rolloutfleet_proxy.__file__).parent
+    codes: dict[str, str] = {}
+    for path in sorted(package.glob("*.py")):
+        if path.name == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+            position = ERROR_CALLS.get(name)
+            if position is not None and len(node.args) > position:
+                code = node.args[position]
+                if isinstance(code, ast.Constant) and isinstance(code.value, str):
+                    codes.setdefault(code.value, path.name)
+    assert {"invalid_tools", "unknown_tool_call_id", "template_error"} <= set(codes)
+    missing = sorted(f"{code} ({source})" for code, source in codes.items() if f"`{code}`" not in doc)
+    assert not missing, f"error codes missing from {DOC.name}: {missing}"
