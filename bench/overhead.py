@@ -8,13 +8,19 @@ Each session is a closed loop (next turn when the previous answer arrived). Sess
 seeded random offsets within the first L seconds, as rollouts do, instead of in lockstep (which
 would make every answer land in the same instant and measure a burst, not a steady state). The
 throughput of a loop is its turns over its own active time; the fleet's is their sum.
+
+`--family qwen3` gives the proxy a model family's real tokenizer and chat template (test kit) instead
+of the test tokenizer (`test`); `--family test qwen3 --rounds 2` runs both for each K, one after the
+other, so they are compared on the same machine in the same minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -183,33 +189,56 @@ def run_one(
 
 
 def plot(runs: list[dict], path: Path) -> None:
+    """Per K: the direct load's and each tokenizer's fraction of K/L (mean over rounds, each round a
+    dot), and the added latency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ks = [r["sessions"] for r in runs]
-    labels = [str(k) for k in ks]
+    ks = list(dict.fromkeys(r["sessions"] for r in runs))
+    tokenizers = list(dict.fromkeys(r.get("tokenizer", "test") for r in runs))
+    series = ["direct", *tokenizers]
+    width = 0.8 / len(series)
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    x = range(len(ks))
-    left.bar([i - 0.2 for i in x], [r["direct"]["fraction_of_bound"] for r in runs], 0.4, label="direct")
-    left.bar(
-        [i + 0.2 for i in x], [r["proxy"]["fraction_of_bound"] for r in runs], 0.4, label="through proxy"
-    )
+
+    def values(k: int, name: str, key) -> list[float]:
+        return [
+            key(r)
+            for r in runs
+            if r["sessions"] == k and (name == "direct" or r.get("tokenizer", "test") == name)
+        ]
+
+    for j, name in enumerate(series):
+        key = (
+            (lambda r: r["direct"]["fraction_of_bound"])
+            if name == "direct"
+            else (lambda r: r["proxy"]["fraction_of_bound"])
+        )
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(ks))]
+        samples = [values(k, name, key) for k in ks]
+        label = name if name == "direct" else f"through proxy ({name})"
+        left.bar(xs, [sum(v) / len(v) for v in samples], width, label=label)
+        for x, v in zip(xs, samples, strict=True):
+            left.scatter([x] * len(v), v, color="k", s=8, zorder=3)
     left.axhline(0.95, color="k", linestyle="--", linewidth=1, label="goal 0.95")
-    left.set_xticks(list(x), labels)
+    left.set_xticks(range(len(ks)), [str(k) for k in ks])
     left.set_xlabel("concurrent sessions K")
     left.set_ylabel("throughput / (K / L)")
     left.set_ylim(0, 1.05)
-    left.legend(loc="lower left")
+    left.legend(loc="lower left", fontsize="small")
     left.set_title(f"Throughput vs Little's-law bound (L = {runs[0]['upstream_latency_s']} s)")
-    right.bar([i - 0.2 for i in x], [r["added_latency_p50_ms"] for r in runs], 0.4, label="p50")
-    right.bar([i + 0.2 for i in x], [r["added_latency_p99_ms"] for r in runs], 0.4, label="p99")
-    right.set_xticks(list(x), labels)
+    width = 0.8 / (2 * len(tokenizers))
+    for j, name in enumerate(tokenizers):
+        for q, quantile in enumerate(("p50", "p99")):
+            xs = [i + (2 * j + q - (2 * len(tokenizers) - 1) / 2) * width for i in range(len(ks))]
+            samples = [values(k, name, lambda r, q_=quantile: r[f"added_latency_{q_}_ms"]) for k in ks]
+            right.bar(xs, [sum(v) / len(v) for v in samples], width, label=f"{quantile} ({name})")
+    right.set_xticks(range(len(ks)), [str(k) for k in ks])
     right.set_xlabel("concurrent sessions K")
     right.set_ylabel("added latency (ms)")
     right.set_title("Latency added by the proxy")
-    right.legend()
+    right.legend(fontsize="small")
     save_figure(fig, path)
 
 
@@ -222,24 +251,55 @@ def main() -> None:
     parser.add_argument("--no-log-requests", action="store_true", help="turn the per-request log line off")
     parser.add_argument("--work-dir", type=Path, help="keep logs here (default: a temporary directory)")
     parser.add_argument(
-        "--family", help="a model family's real tokenizer and template (test kit: qwen3, llama31, ...)"
+        "--family",
+        nargs="+",
+        default=["test"],
+        help="tokenizers: `test` (the test tokenizer, default) or model families' real tokenizers and "
+        "templates (test kit: qwen3, llama31, ...); several run one after another for each K, "
+        "the order reversed every other round",
     )
+    parser.add_argument("--rounds", type=int, default=1, help="repeat every K and tokenizer this many times")
     args = parser.parse_args()
-    tokenizer = None
-    if args.family:
-        from rolloutfleet_testkit.model_families import FAMILIES
+    load_average = os.getloadavg()[0]
+    progress(f"1-minute load average at start: {load_average:.2f}")
+    tokenizers: dict[str, Path | None] = {}
+    for name in args.family:
+        if name == "test":
+            tokenizers[name] = None
+        else:
+            from rolloutfleet_testkit.model_families import FAMILIES
 
-        tokenizer = FAMILIES[args.family].build_cached()
+            tokenizers[name] = FAMILIES[name].build_cached()
+    runs = []
     with tempfile.TemporaryDirectory(prefix="rf-bench-overhead-") as tmp:
         work = args.work_dir or Path(tmp)
-        runs = [
-            run_one(
-                work, k, args.turns, args.latency_s, args.output_tokens, not args.no_log_requests, tokenizer
-            )
-            for k in args.sessions
-        ]
-    suffix = ("-nolog" if args.no_log_requests else "") + (f"-{args.family}" if args.family else "")
-    save_result("overhead" + suffix, {"runs": runs, "tokenizer": args.family or "test tokenizer"})
+        for round_ in range(args.rounds):
+            for k in args.sessions:
+                order = list(tokenizers) if round_ % 2 == 0 else list(reversed(tokenizers))
+                for name in order:
+                    progress(f"round {round_}, K={k}, tokenizer {name}")
+                    result = run_one(
+                        work,
+                        k,
+                        args.turns,
+                        args.latency_s,
+                        args.output_tokens,
+                        not args.no_log_requests,
+                        tokenizers[name],
+                    )
+                    runs.append({"round": round_, "tokenizer": name, **result})
+    families = [name for name in tokenizers if name != "test"]
+    suffix = ("-nolog" if args.no_log_requests else "") + "".join(f"-{name}" for name in families)
+    save_result(
+        "overhead" + suffix,
+        {
+            # save_result names the command after the result; this script is `overhead`
+            "command": " ".join(["./dev", "bench", "overhead", *sys.argv[1:]]),
+            "load_average_1m_at_start": round(load_average, 2),
+            "tokenizers": list(tokenizers),
+            "runs": runs,
+        },
+    )
     plot(runs, IMAGES / f"overhead{suffix}.png")
 
 
