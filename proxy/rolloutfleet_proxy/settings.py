@@ -51,7 +51,18 @@ class ProxySettings(BaseSettings):
         None, description="This proxy's own stable URL, returned with new sessions (per-pod DNS name)."
     )
 
-    upstream_timeout_s: float = Field(600.0, gt=0, description="Timeout of one upstream /generate call.")
+    upstream_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Timeout of one upstream /generate call (sglang-router's own default is 1800 s; a "
+        "shorter one gives up on long generations the router still runs).",
+    )
+    engine_logprobs: Literal["tempered", "original"] = Field(
+        "tempered",
+        description="What the engines' logprobs are: 'tempered' (SGLang's default: log_softmax(logits / "
+        "temperature) when sampling) or 'original' (engines run with SGLANG_RETURN_ORIGINAL_LOGPROB=1). "
+        "Recorded per turn in exports, so the trainer knows which it got.",
+    )
     upstream_max_connections: int = Field(1024, ge=1, description="Connection pool size to the upstream.")
     default_max_tokens: int = Field(1024, ge=1, description="max_new_tokens when a request sets none.")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest accepted request body.")
