@@ -243,10 +243,16 @@ def test_parse_generate_answer_keeps_exact_ids_and_logprobs():
     assert parse_generate_answer(sglang_answer([5, 6], [-0.1, -0.2])).stop_token is None
 
 
-def test_parse_generate_answer_refuses_an_aborted_generation():
-    with pytest.raises(ProxyError, match="aborted") as error:
-        parse_generate_answer(sglang_answer([5], [-0.1], {"type": "abort", "message": "weights updating"}))
-    assert error.value.status == 502
+def test_parse_generate_answer_keeps_the_tokens_of_an_aborted_generation():
+    # SGLang answers an abort (pause in abort mode, weight update) with HTTP 200 and the partial tokens.
+    gen = parse_generate_answer(sglang_answer([5], [-0.1], {"type": "abort", "message": "weights updating"}))
+    assert gen.aborted and gen.abort_message == "weights updating"
+    assert gen.output_ids.tolist() == [5] and gen.stop_token is None
+    # Aborted while still queued: no tokens and (in some releases) no output_token_logprobs at all.
+    empty = parse_generate_answer(
+        orjson.dumps({"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort"}}})
+    )
+    assert empty.aborted and len(empty.output_ids) == 0 and empty.abort_message == "no reason given"
 
 
 @pytest.mark.parametrize(

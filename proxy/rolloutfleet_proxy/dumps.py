@@ -10,7 +10,9 @@ Layout of a dump directory:
 
 A session file holds the tensors `input_ids` (int32), `loss_mask` (uint8), `logprobs` (float32),
 `turn_bounds` (int32, [turns, 3]: first new input token, first output token, end of output) and
-`turn_versions` (int32, [turns]: the model version each turn was generated under), and under the
+`turn_versions` (int32, [turns]: the model version each turn's generation started under),
+`version_changes` (int32, [changes, 2]: token offset and version where a weight update changed the
+version mid-turn), `turn_temperatures` (float32) and `turn_tempered` (uint8), and under the
 metadata key `rolloutfleet.session` a JSON object with the rest of the session. Any safetensors
 reader reads it; `load_session_file` turns it back into a `SessionRecord`. Batch files are in the
 export format (`export_format.py`).
@@ -30,7 +32,13 @@ from safetensors import safe_open
 from safetensors.numpy import save as safetensors_save
 
 from .ids import is_valid_session_id
-from .session import TURN_BOUND_FIELDS, UNKNOWN_VERSION, SessionRecord
+from .session import (
+    TURN_BOUND_FIELDS,
+    UNKNOWN_TEMPERATURE,
+    UNKNOWN_VERSION,
+    VERSION_CHANGE_FIELDS,
+    SessionRecord,
+)
 
 FORMAT = "rolloutfleet.session"
 FORMAT_VERSION = 1
@@ -88,6 +96,11 @@ def encode_record(record: SessionRecord, reason: str) -> bytes:
         "logprobs": np.frombuffer(record.logprobs, dtype=np.float32),
         "turn_bounds": np.frombuffer(record.turn_bounds, dtype=np.int32).reshape(-1, TURN_BOUND_FIELDS),
         "turn_versions": np.frombuffer(record.turn_versions, dtype=np.int32),
+        "version_changes": np.frombuffer(record.version_changes, dtype=np.int32).reshape(
+            -1, VERSION_CHANGE_FIELDS
+        ),
+        "turn_temperatures": np.frombuffer(record.turn_temperatures, dtype=np.float32),
+        "turn_tempered": np.frombuffer(record.turn_tempered, dtype=np.uint8),
     }
     header = {
         "format": FORMAT,
@@ -183,6 +196,19 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
         turn_versions = array("i", [UNKNOWN_VERSION] * turns)
     if len(turn_versions) != turns:
         raise DumpFormatError(f"{path}: turn_versions do not match turn_bounds")
+    # Written before weight versions mid-turn and temperatures were recorded: none / unknown.
+    version_changes = _tensor_array(tensors, "version_changes", "i", np.int32, [])
+    turn_temperatures = _tensor_array(
+        tensors, "turn_temperatures", "f", np.float32, [UNKNOWN_TEMPERATURE] * turns
+    )
+    turn_tempered = _tensor_array(tensors, "turn_tempered", "B", np.uint8, [0] * turns)
+    if len(turn_temperatures) != turns or len(turn_tempered) != turns:
+        raise DumpFormatError(f"{path}: turn_temperatures or turn_tempered do not match turn_bounds")
+    if len(version_changes) % VERSION_CHANGE_FIELDS or any(
+        not 0 <= version_changes[i] < len(token_ids)
+        for i in range(0, len(version_changes), VERSION_CHANGE_FIELDS)
+    ):
+        raise DumpFormatError(f"{path}: version_changes do not fit input_ids")
     if not len(token_ids) == len(loss_mask) == len(logprobs):
         raise DumpFormatError(f"{path}: input_ids, loss_mask and logprobs differ in length")
     if len(turn_bounds) % TURN_BOUND_FIELDS or any(b < 0 or b > len(token_ids) for b in turn_bounds):
@@ -197,6 +223,9 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
         logprobs=logprobs,
         turn_bounds=turn_bounds,
         turn_versions=turn_versions,
+        version_changes=version_changes,
+        turn_temperatures=turn_temperatures,
+        turn_tempered=turn_tempered,
         message_count=int(header["message_count"]),
         history_digest=bytes.fromhex(header["history_digest"]),
         last_output_stopped=bool(header["last_output_stopped"]),
@@ -205,6 +234,14 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
         turn_rewards={int(k): float(v) for k, v in (header.get("turn_rewards") or {}).items()},
         finished=bool(header.get("finished", False)),
     )
+
+
+def _tensor_array(
+    tensors: dict[str, np.ndarray], name: str, typecode: str, dtype: type, default: list
+) -> array:
+    if name not in tensors:
+        return array(typecode, default)
+    return array(typecode, tensors[name].astype(dtype, copy=False).tobytes())
 
 
 def list_live_dumps(dump_dir: Path, area: str = LIVE_AREA) -> list[Path]:

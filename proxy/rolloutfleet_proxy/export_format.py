@@ -12,7 +12,11 @@ Tensors (N tokens, B trajectories, T turns in the batch):
     cu_seqlens     int64   [B+1]   trajectory i is tokens cu_seqlens[i]:cu_seqlens[i+1]
     rewards        float32 [B]     the session reward, NaN when none was set
     turn_bounds    int32   [T, 3]  per turn [input_start, output_start, end], relative to its trajectory
-    turn_versions  int32   [T]     model version per turn
+    turn_versions  int32   [T]     model version per turn (of its first generated token)
+    turn_temperatures float32 [T]  sampling temperature per turn (NaN: recorded before temperatures were)
+    turn_tempered  uint8   [T]     1: the turn's logprobs are log_softmax(logits / temperature), as SGLang
+                                   returns them when sampling; 0: raw log_softmax(logits) (greedy, T = 1,
+                                   or engines with SGLANG_RETURN_ORIGINAL_LOGPROB=1)
     turn_rewards   float32 [T]     per-turn reward, NaN when none was set
     cu_turns       int64   [B+1]   trajectory i has turns cu_turns[i]:cu_turns[i+1]
 The metadata key `rolloutfleet.export` holds a JSON header (batch id, per-trajectory session ids and
@@ -32,10 +36,12 @@ import orjson
 from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
-from .session import TURN_BOUND_FIELDS, UNKNOWN_VERSION, SessionRecord
+from .session import TURN_BOUND_FIELDS, SessionRecord, token_versions
 
 FORMAT = "rolloutfleet.export"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Version 1 had no turn_temperatures / turn_tempered; its batches (restored after an upgrade) still read.
+READABLE_VERSIONS = (1, 2)
 MEDIA_TYPE = "application/vnd.rolloutfleet.safetensors"
 
 TENSOR_DTYPES = {
@@ -49,6 +55,8 @@ TENSOR_DTYPES = {
     "turn_versions": np.int32,
     "turn_rewards": np.float32,
     "cu_turns": np.int64,
+    "turn_temperatures": np.float32,
+    "turn_tempered": np.uint8,
 }
 
 
@@ -88,6 +96,8 @@ class DecodedBatch:
             "turn_bounds": t["turn_bounds"][first_turn:last_turn].tolist(),
             "turn_versions": t["turn_versions"][first_turn:last_turn].tolist(),
             "turn_rewards": [_finite_or_none(r) for r in t["turn_rewards"][first_turn:last_turn]],
+            "turn_temperatures": [_finite_or_none(x) for x in t["turn_temperatures"][first_turn:last_turn]],
+            "turn_tempered": [bool(x) for x in t["turn_tempered"][first_turn:last_turn]],
         }
 
 
@@ -101,12 +111,7 @@ def _concat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
 
 
 def _token_versions(record: SessionRecord) -> np.ndarray:
-    versions = np.full(len(record.token_ids), UNKNOWN_VERSION, np.int32)
-    bounds = record.turn_bounds
-    for turn, version in enumerate(record.turn_versions):
-        _, output_start, end = bounds[turn * TURN_BOUND_FIELDS : (turn + 1) * TURN_BOUND_FIELDS]
-        versions[output_start:end] = version
-    return versions
+    return np.frombuffer(token_versions(record), np.int32)
 
 
 def encode_batch(batch_id: str, records: list[SessionRecord], model_version: int) -> bytes:
@@ -133,6 +138,10 @@ def encode_batch(batch_id: str, records: list[SessionRecord], model_version: int
             np.float32,
         ),
         "cu_turns": np.concatenate([[0], np.cumsum(turn_counts, dtype=np.int64)]).astype(np.int64),
+        "turn_temperatures": _concat(
+            [np.frombuffer(r.turn_temperatures, np.float32) for r in records], np.float32
+        ),
+        "turn_tempered": _concat([np.frombuffer(r.turn_tempered, np.uint8) for r in records], np.uint8),
     }
     header = {
         "format": FORMAT,
@@ -162,8 +171,12 @@ def decode_batch(data: bytes) -> DecodedBatch:
         raise BatchFormatError(f"not a readable {FORMAT} file: {type(exc).__name__}: {exc}") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise BatchFormatError(f"no {FORMAT} header")
-    if header.get("format_version") != FORMAT_VERSION:
+    if header.get("format_version") not in READABLE_VERSIONS:
         raise BatchFormatError(f"unsupported {FORMAT} version {header.get('format_version')!r}")
+    if header["format_version"] == 1:
+        turns = len(tensors.get("turn_versions", ()))
+        tensors.setdefault("turn_temperatures", np.full(turns, np.nan, np.float32))
+        tensors.setdefault("turn_tempered", np.zeros(turns, np.uint8))
     for name, dtype in TENSOR_DTYPES.items():
         if name not in tensors or tensors[name].dtype != dtype:
             raise BatchFormatError(f"tensor {name} is missing or not {np.dtype(dtype).name}")
@@ -179,6 +192,7 @@ def decode_batch(data: bytes) -> DecodedBatch:
         and int(t["cu_seqlens"][-1]) == n
         and t["turn_bounds"].shape == (len(t["turn_versions"]), TURN_BOUND_FIELDS)
         and len(t["turn_rewards"]) == len(t["turn_versions"]) == int(t["cu_turns"][-1])
+        and len(t["turn_temperatures"]) == len(t["turn_tempered"]) == len(t["turn_versions"])
         and isinstance(header.get("batch_id"), str)
     )
     if not consistent:

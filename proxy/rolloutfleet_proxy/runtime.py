@@ -188,6 +188,7 @@ class ProxyRuntime:
             self.gauges,
             self.generation,
             ReplyBuilder(self.tokenizer, self.settings.tool_call_parser, self.settings.reasoning_parser),
+            self.settings.engine_logprobs,
         )
         await self.restore_state()
         await self.restore()

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import bisect
+import math
 import time
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +17,12 @@ from .history import EMPTY_DIGEST
 TURN_BOUND_FIELDS = 3
 # The model version of a turn generated before versions were recorded (and of non-generated tokens).
 UNKNOWN_VERSION = -1
+# The temperature of a turn recorded before temperatures were.
+UNKNOWN_TEMPERATURE = float("nan")
+# version_changes holds (absolute token offset, version) pairs: from that offset to the end of its
+# turn (or the next change) the tokens were generated under that version. Only turns that span a
+# weight update have any, so the common case costs nothing per token.
+VERSION_CHANGE_FIELDS = 2
 
 
 @dataclass
@@ -28,7 +37,10 @@ class SessionRecord:
     loss_mask: array
     logprobs: array
     turn_bounds: array
-    turn_versions: array = field(default_factory=lambda: array("i"))  # model version per turn
+    turn_versions: array = field(default_factory=lambda: array("i"))  # model version per turn (its start)
+    version_changes: array = field(default_factory=lambda: array("i"))  # see VERSION_CHANGE_FIELDS
+    turn_temperatures: array = field(default_factory=lambda: array("f"))  # sampling temperature per turn
+    turn_tempered: array = field(default_factory=lambda: array("B"))  # 1: logprobs of logits / temperature
     message_count: int = 0
     history_digest: bytes = EMPTY_DIGEST
     last_output_stopped: bool = False
@@ -62,7 +74,10 @@ class Session:
         "token_ids",
         "turn_bounds",
         "turn_rewards",
+        "turn_temperatures",
+        "turn_tempered",
         "turn_versions",
+        "version_changes",
     )
 
     def __init__(
@@ -81,6 +96,9 @@ class Session:
         self.logprobs = array("f")
         self.turn_bounds = array("i")
         self.turn_versions = array("i")
+        self.version_changes = array("i")
+        self.turn_temperatures = array("f")
+        self.turn_tempered = array("B")
         self.message_count = 0
         self.history_digest = EMPTY_DIGEST
         self.last_output_stopped = False
@@ -123,11 +141,17 @@ class Session:
         stopped: bool,
         stop_token: int | None,
         model_version: int = UNKNOWN_VERSION,
+        version_changes: Sequence[tuple[int, int]] = (),
+        temperature: float = UNKNOWN_TEMPERATURE,
+        tempered: bool = False,
     ) -> int:
-        """Record one completed turn, generated under `model_version`; returns the number of tokens
-        added. Inputs are validated first."""
+        """Record one completed turn, generated under `model_version` from its first output token and
+        under each of `version_changes` (offset into output_ids, version) from that offset on;
+        returns the number of tokens added. Inputs are validated first."""
         if len(output_ids) != len(output_logprobs):
             raise ValueError("output ids and logprobs differ in length")
+        if any(not 0 < offset < len(output_ids) for offset, _ in version_changes):
+            raise ValueError("version changes must fall inside the output")
         input_start = len(self.token_ids)
         output_start = input_start + len(new_input_ids)
         n_in, n_out = len(new_input_ids), len(output_ids)
@@ -141,6 +165,10 @@ class Session:
         self.logprobs.extend(output_logprobs)
         self.turn_bounds.extend((input_start, output_start, output_start + n_out))
         self.turn_versions.append(model_version)
+        for offset, version in version_changes:
+            self.version_changes.extend((output_start + offset, version))
+        self.turn_temperatures.append(temperature)
+        self.turn_tempered.append(1 if tempered else 0)
         self.message_count = message_count
         self.history_digest = history_digest
         self.last_output_stopped = stopped
@@ -171,6 +199,9 @@ class Session:
             logprobs=self.logprobs,
             turn_bounds=self.turn_bounds,
             turn_versions=self.turn_versions,
+            version_changes=self.version_changes,
+            turn_temperatures=self.turn_temperatures,
+            turn_tempered=self.turn_tempered,
             message_count=self.message_count,
             history_digest=self.history_digest,
             last_output_stopped=self.last_output_stopped,
@@ -188,6 +219,9 @@ class Session:
         session.logprobs = record.logprobs
         session.turn_bounds = record.turn_bounds
         session.turn_versions = record.turn_versions
+        session.version_changes = record.version_changes
+        session.turn_temperatures = record.turn_temperatures
+        session.turn_tempered = record.turn_tempered
         session.message_count = record.message_count
         session.history_digest = record.history_digest
         session.last_output_stopped = record.last_output_stopped
@@ -218,4 +252,25 @@ class Session:
             "logprobs": self.logprobs.tolist(),
             "turns": [list(t) for t in self.turns()],
             "turn_versions": self.turn_versions.tolist(),
+            "versions": token_versions(self.to_record()).tolist(),
+            "turn_temperatures": [None if math.isnan(t) else t for t in self.turn_temperatures],
+            "turn_tempered": [bool(t) for t in self.turn_tempered],
         }
+
+
+def token_versions(record: SessionRecord) -> array:
+    """The model version of every token: its turn's version on generated tokens, then any mid-turn
+    changes; UNKNOWN_VERSION on prompt tokens."""
+    versions = array("i", [UNKNOWN_VERSION]) * len(record.token_ids)
+    bounds = record.turn_bounds
+    for turn, version in enumerate(record.turn_versions):
+        _, output_start, end = bounds[turn * TURN_BOUND_FIELDS : (turn + 1) * TURN_BOUND_FIELDS]
+        versions[output_start:end] = array("i", [version]) * (end - output_start)
+    changes = record.version_changes
+    turn_ends = sorted(bounds[i + 2] for i in range(0, len(bounds), TURN_BOUND_FIELDS))
+    for i in range(0, len(changes), VERSION_CHANGE_FIELDS):
+        start, version = changes[i], changes[i + 1]
+        after = bisect.bisect_right(turn_ends, start)
+        end = turn_ends[after] if after < len(turn_ends) else len(versions)
+        versions[start:end] = array("i", [version]) * (end - start)
+    return versions

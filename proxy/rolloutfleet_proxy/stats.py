@@ -37,6 +37,9 @@ class Counters:
     cleanup_errors: int = 0
     heap_trims: int = 0
     turns_pause_timeouts: int = 0
+    turns_continued: int = 0  # generations resubmitted after SGLang aborted them (tokens kept)
+    generated_tokens_continued: int = 0  # tokens made before an abort and kept in their turn
+    generated_tokens_discarded: int = 0  # tokens made before an abort, lost because the turn failed
     batches_exported: int = 0
     trajectories_exported: int = 0
     batches_acknowledged: int = 0

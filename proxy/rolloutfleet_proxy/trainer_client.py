@@ -7,7 +7,7 @@
         tensors = to_torch(batches)                  # padded [B, T] tensors with attention_mask
         train_step(tensors)
         fleet.ack(batches)                           # only now do the proxies free them
-        fleet.set_model_version(step + 1)
+        fleet.update_weights(step + 1, model_path=checkpoint_dir)  # pause, load, version, resume
 
 Acknowledge a batch only once it is used: a batch not acknowledged within the proxy's export TTL is
 written to its `exported/` directory and freed. The proxy server never imports this module. It
@@ -20,6 +20,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -37,6 +38,21 @@ if TYPE_CHECKING:
 log = logging.getLogger("rolloutfleet.trainer_client")
 
 ALREADY_ACKNOWLEDGED = "batch_already_acknowledged"
+
+
+# SGLang's /pause_generation modes: abort running requests (they answer with their partial tokens,
+# which the proxies continue after the resume), retract them to the waiting queue, or hold them in
+# place; both of the latter resume under the new weights.
+PAUSE_MODES = ("abort", "retract", "in_place")
+ENGINE_UPDATE_TIMEOUT_S = 1800.0  # loading a checkpoint from disk can take minutes
+
+
+class EngineCallError(RuntimeError):
+    """An SGLang engine refused or failed a pause, weight update or resume."""
+
+    def __init__(self, url: str, status: int | None, message: str):
+        super().__init__(f"{url}: {status}: {message}")
+        self.url, self.status, self.message = url, status, message
 
 
 class ProxyCallError(RuntimeError):
@@ -102,11 +118,17 @@ class TrainerClient:
         retries: int = 10,
         backoff: Backoff | None = None,
         client: httpx.Client | None = None,
+        engine_urls: Sequence[str] = (),
+        engine_api_key: str | None = None,
     ):
         urls = [proxy_urls] if isinstance(proxy_urls, str) else list(proxy_urls)
         if not urls:
             raise ValueError("no proxy URLs")
         self.proxy_urls = [u.rstrip("/") for u in urls]
+        # The SGLang engines (the fleet's status.engineEndpoints): the router has no pause or
+        # weight-update routes, so those go to each engine.
+        self.engine_urls = [u.rstrip("/") for u in engine_urls]
+        self._engine_headers = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else {}
         self._client = client or httpx.Client(timeout=timeout_s)
         self._owns_client = client is None
         self._headers = {"Authorization": f"Bearer {admin_key}"}
@@ -122,6 +144,7 @@ class TrainerClient:
         endpoints = status.get("proxyEndpoints") or []
         if not endpoints:
             raise ValueError("the fleet's status lists no proxyEndpoints (no proxy is Ready yet)")
+        kwargs.setdefault("engine_urls", status.get("engineEndpoints") or [])
         return cls(endpoints, admin_key, **kwargs)
 
     def close(self) -> None:
@@ -268,6 +291,93 @@ class TrainerClient:
             lambda url: self._checked(self._call("POST", f"{url}/v1/generation/resume"), 200).json()
         )
 
+    # --- SGLang engines: pause, weights, resume --------------------------------------------------
+
+    def _engine_post(self, url: str, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        try:
+            response = self._client.post(
+                f"{url}{path}", json=body, headers=self._engine_headers, timeout=timeout_s
+            )
+        except httpx.TransportError as exc:
+            raise EngineCallError(url, None, f"{path}: {type(exc).__name__}: {exc}") from exc
+        try:
+            answer = response.json() if response.content else {}
+        except ValueError:
+            answer = {"message": response.text[:300]}
+        if response.status_code != 200 or (isinstance(answer, dict) and answer.get("success") is False):
+            message = answer.get("message") if isinstance(answer, dict) else None
+            raise EngineCallError(url, response.status_code, f"{path}: {message or response.text[:300]}")
+        return answer if isinstance(answer, dict) else {"answer": answer}
+
+    def _each_engine(self, path: str, body: dict[str, Any], timeout_s: float = 60.0) -> dict[str, Any]:
+        """POST to every engine at once (a checkpoint load takes as long on one engine as on all)."""
+        if not self.engine_urls:
+            raise ValueError("no engine URLs: pass engine_urls (the fleet's status.engineEndpoints)")
+        with ThreadPoolExecutor(max_workers=min(16, len(self.engine_urls))) as pool:
+            futures = {
+                url: pool.submit(self._engine_post, url, path, body, timeout_s) for url in self.engine_urls
+            }
+            return {url: future.result() for url, future in futures.items()}
+
+    def pause_engines(self, mode: str = "abort") -> dict[str, Any]:
+        """SGLang's /pause_generation on every engine, in `mode` (PAUSE_MODES)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}")
+        return self._each_engine("/pause_generation", {"mode": mode})
+
+    def continue_engines(self) -> dict[str, Any]:
+        return self._each_engine("/continue_generation", {})
+
+    def update_weights(
+        self,
+        version: int,
+        *,
+        model_path: str | None = None,
+        update: Callable[[list[str]], None] | None = None,
+        mode: str = "abort",
+        load_format: str | None = None,
+    ) -> dict[str, Any]:
+        """One weight update across the fleet, in the order that loses nothing:
+
+        1. pause the proxies (new turns, and turns an abort interrupted, wait at their gate);
+        2. pause the engines in `mode` (abort: running generations answer with their partial tokens,
+           which the proxies keep and continue after step 5; in_place / retract: they wait inside
+           the engine and finish under the new weights);
+        3. load the weights: `model_path` with SGLang's /update_weights_from_disk, or your own
+           `update(engine_urls)` (NCCL, tensors) followed by /update_weight_version; either way the
+           engines report `str(version)` as their `weight_version`, which the proxies record;
+        4. publish `version` to the proxies; 5. continue the engines; 6. resume the proxies.
+
+        Steps 5 and 6 run even when 3 or 4 fail (the engines then keep the weights they have), and
+        the error is raised after them. Returns each step's answers."""
+        if (model_path is None) == (update is None):
+            raise ValueError("give exactly one of model_path and update")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {', '.join(PAUSE_MODES)}")
+        steps: dict[str, Any] = {"proxies_paused": self.pause()}
+        try:
+            steps["engines_paused"] = self.pause_engines(mode)
+            try:
+                if model_path is not None:
+                    body: dict[str, Any] = {"model_path": model_path, "weight_version": str(version)}
+                    if load_format is not None:
+                        body["load_format"] = load_format
+                    steps["weights"] = self._each_engine(
+                        "/update_weights_from_disk", body, ENGINE_UPDATE_TIMEOUT_S
+                    )
+                else:
+                    assert update is not None
+                    update(list(self.engine_urls))
+                    steps["weights"] = self._each_engine(
+                        "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
+                    )
+                steps["model_version"] = self.set_model_version(version)
+            finally:
+                steps["engines_continued"] = self.continue_engines()
+        finally:
+            steps["proxies_resumed"] = self.resume()
+        return steps
+
 
 def to_torch(
     batches: Sequence[PulledBatch], *, pad_token_id: int = 0, device: str | None = None
@@ -313,4 +423,4 @@ def to_torch(
     return tensors
 
 
-__all__ = ["ProxyCallError", "PulledBatch", "TrainerClient", "to_torch"]
+__all__ = ["PAUSE_MODES", "EngineCallError", "ProxyCallError", "PulledBatch", "TrainerClient", "to_torch"]

@@ -10,11 +10,21 @@ under the model version current when it passed the gate.
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from array import array
 from dataclasses import dataclass
 
 from .chat_tokens import TemplateError, TurnTokenizer
+from .continuation import (
+    MAX_CONTINUATIONS,
+    MergedTurn,
+    Segment,
+    continuation_request,
+    engine_version,
+    logprobs_tempered,
+    merge_segments,
+)
 from .errors import ProxyError, bad_request, conflict, gone, unavailable
 from .generation import GenerationControl
 from .history import extend_canonical_digest, extend_digest, tools_digest
@@ -48,7 +58,9 @@ class TurnService:
         gauges: Gauges,
         generation: GenerationControl,
         replies: ReplyBuilder,
+        engine_logprobs: str = "tempered",
     ):
+        self._engine_logprobs = engine_logprobs
         self._generation = generation
         self._replies = replies
         self._store = store
@@ -112,15 +124,15 @@ class TurnService:
             prompt.extend(new_ids)
             t_up = time.perf_counter()
             timings["tokenize_ms"] = _ms(t_tok, t_up)
-            generation, model_version, paused_s = await self._call_upstream(
-                session, prompt, request.sampling_params
-            )
+            turn, paused_s = await self._call_upstream(session, prompt, request.sampling_params)
+            generation = turn.generation
             t_rec = time.perf_counter()
             if paused_s > 0:
                 timings["pause_wait_ms"] = round(paused_s * 1000, 3)
             timings["upstream_ms"] = round(_ms(t_up, t_rec) - paused_s * 1000, 3)
             stop_token = self._tokenizer.stop_token(generation.output_ids, generation.stop_token)
             reply = self._replies.build(generation, stop_token, request.tools, prompt_tail)
+            temperature, tempered = logprobs_tempered(self._engine_logprobs, request.sampling_params)
             added = session.append_turn(
                 new_ids,
                 generation.output_ids,
@@ -129,7 +141,10 @@ class TurnService:
                 history_digest=extend_digest(digest, [reply.message()]),
                 stopped=stop_token is not None,
                 stop_token=stop_token,
-                model_version=model_version,
+                model_version=turn.version,
+                version_changes=turn.version_changes,
+                temperature=temperature,
+                tempered=tempered,
             )
             self._store.record_growth(added)
             session.touch()
@@ -138,20 +153,51 @@ class TurnService:
             return TurnResult(session.num_turns - 1, generation, len(prompt), reply)
 
     async def _generate(
-        self, prompt: list[int], sampling: dict, session_id: str
-    ) -> tuple[Generation, int, float]:
-        """Pass the pause gate, then generate: (generation, model version, seconds held by a pause)."""
-        model_version, paused_s = await self._generation.enter()
+        self, prompt: list[int], sampling: dict, session: Session
+    ) -> tuple[MergedTurn, float]:
+        """Pass the pause gate, then generate; an aborted generation passes the gate again (so it waits
+        for the resume) and continues with its tokens kept. Returns the turn and the seconds held by
+        pauses."""
+        segments: list[Segment] = []
+        paused_total = 0.0
+        request: tuple[list[int], dict] | None = (prompt, sampling)
+        rid = f"{session.session_id}-{session.num_turns}-{secrets.token_hex(4)}"
         try:
-            return await self._upstream.generate(prompt, sampling, session_id), model_version, paused_s
-        finally:
-            self._generation.leave()
+            while request is not None:
+                proxy_version, paused_s = await self._generation.enter()
+                paused_total += paused_s
+                try:
+                    generation = await self._upstream.generate(
+                        request[0], request[1], session.session_id, f"{rid}-{len(segments)}"
+                    )
+                finally:
+                    self._generation.leave()
+                segments.append(Segment(generation, engine_version(generation.weight_version, proxy_version)))
+                if not generation.aborted:
+                    break
+                if len(segments) > MAX_CONTINUATIONS:
+                    raise unavailable(
+                        "upstream_aborted",
+                        f"SGLang aborted this turn {len(segments)} times ({generation.abort_message}); "
+                        "nothing was recorded, retry the turn",
+                        1,
+                    )
+                request = continuation_request(prompt, sampling, segments)
+                if request is not None:
+                    self._counters.turns_continued += 1
+        except BaseException:
+            # Tokens an engine made before an abort that could not be continued: counted, not hidden.
+            self._counters.generated_tokens_discarded += sum(len(s.generation.output_ids) for s in segments)
+            raise
+        turn = merge_segments(segments, int(sampling["max_new_tokens"]), self._tokenizer.decode)
+        self._counters.generated_tokens_continued += sum(len(s.generation.output_ids) for s in segments[:-1])
+        return turn, paused_total
 
     async def _call_upstream(
         self, session: Session, prompt: list[int], sampling: dict
-    ) -> tuple[Generation, int, float]:
+    ) -> tuple[MergedTurn, float]:
         # One task for the wait at the gate and the call: a DELETE or the drain cancels either.
-        task = asyncio.create_task(self._generate(prompt, sampling, session.session_id))
+        task = asyncio.create_task(self._generate(prompt, sampling, session))
         session.in_flight = task
         self._gauges.inflight_turns += 1
         self.turns_done.clear()

@@ -24,6 +24,15 @@ class Generation:
     stop_token: int | None  # the generated id that ended the reply, when it is the last output id
     prompt_tokens: int
     stop_string: str | None = None  # the stop string that ended the reply (its tokens stay in output_ids)
+    weight_version: str | None = None  # SGLang's meta_info.weight_version: the weights that answered
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache already held
+    abort_message: str | None = None  # set when finish_reason is "abort": the engine stopped early
+
+    @property
+    def aborted(self) -> bool:
+        """SGLang aborted the request (a pause in abort mode, a weight update, /abort_request): the
+        answer is HTTP 200 and output_ids hold the tokens made before the abort."""
+        return self.finish_reason == "abort"
 
 
 def upstream_error(status: int, message: str) -> ProxyError:
@@ -68,7 +77,11 @@ def parse_generate_answer(body: bytes) -> Generation:
     if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
         raise upstream_error(502, "upstream answer has no meta_info object")
     meta: dict[str, Any] = answer["meta_info"]
+    finish = meta.get("finish_reason") or {}
+    finish_type = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
     token_logprobs = meta.get("output_token_logprobs")
+    if token_logprobs is None and finish_type == "abort" and not answer.get("output_ids"):
+        token_logprobs = []  # aborted before its first token (e.g. while queued)
     if not isinstance(token_logprobs, list):
         raise upstream_error(
             502, "upstream answer has no output_token_logprobs (was return_logprob honoured?)"
@@ -83,13 +96,13 @@ def parse_generate_answer(body: bytes) -> Generation:
     output_ids = answer.get("output_ids", logprob_ids)
     if output_ids != logprob_ids:
         raise upstream_error(502, "upstream output_ids disagree with the ids in output_token_logprobs")
-    finish = meta.get("finish_reason") or {}
-    finish_type = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
     matched = finish.get("matched") if isinstance(finish, dict) else None
     stop_token = matched if isinstance(matched, int) and output_ids and output_ids[-1] == matched else None
+    abort_message = None
     if finish_type == "abort":
         message = finish.get("message") if isinstance(finish, dict) else None
-        raise upstream_error(502, f"upstream aborted the generation: {message or 'no reason given'}")
+        abort_message = str(message) if message else "no reason given"
+    weight_version = meta.get("weight_version")
     text = answer.get("text", "")
     if not isinstance(text, str):
         raise upstream_error(502, "upstream text is not a string")
@@ -101,7 +114,14 @@ def parse_generate_answer(body: bytes) -> Generation:
         stop_token=stop_token,
         prompt_tokens=int(meta.get("prompt_tokens", 0) or 0),
         stop_string=matched if isinstance(matched, str) else None,
+        weight_version=None if weight_version is None else str(weight_version),
+        cached_tokens=_count(meta.get("cached_tokens")),
+        abort_message=abort_message,
     )
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 class SGLangClient:
@@ -128,20 +148,25 @@ class SGLangClient:
             await self._session.close()
 
     async def generate(
-        self, input_ids: list[int], sampling_params: dict[str, Any], routing_key: str | None = None
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        routing_key: str | None = None,
+        rid: str | None = None,
     ) -> Generation:
         """One `/generate`. `routing_key` (the session id) goes in `X-SMG-Routing-Key`, the header
         sglang-router's `manual` policy routes by, so a session's turns stay on one engine's prefix
-        cache."""
-        payload = orjson.dumps(
-            {
-                "input_ids": input_ids,
-                "sampling_params": sampling_params,
-                "return_logprob": True,
-                "logprob_start_len": -1,  # logprobs of output tokens only
-                "stream": False,
-            }
-        )
+        cache. `rid` names the request on the engine (its logs, `/abort_request`)."""
+        request: dict[str, Any] = {
+            "input_ids": input_ids,
+            "sampling_params": sampling_params,
+            "return_logprob": True,
+            "logprob_start_len": -1,  # logprobs of output tokens only
+            "stream": False,
+        }
+        if rid is not None:
+            request["rid"] = rid
+        payload = orjson.dumps(request)
         try:
             headers = {"content-type": "application/json"}
             if routing_key is not None:

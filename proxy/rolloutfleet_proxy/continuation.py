@@ -1,0 +1,131 @@
+"""One turn from several SGLang answers: an aborted generation is continued, not thrown away.
+
+SGLang answers an aborted request (`/pause_generation` in abort mode, a weight update with
+`abort_all_requests`, `/abort_request`) with HTTP 200, `finish_reason.type == "abort"` and the
+tokens it made so far. The proxy keeps them and resubmits the prompt plus those tokens with the
+rest of the token budget, as AReaL does, so no generated token is wasted and the client still gets
+one reply. Each segment keeps the weight version it was generated under.
+
+Pure functions: the loop that calls the upstream lives in `turns.py`.
+"""
+
+from __future__ import annotations
+
+import math
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from .generation import MAX_MODEL_VERSION
+from .upstream import Generation
+
+# A turn aborted more often than this gives up (503, retryable): an engine that aborts every
+# request is broken or shutting down, and each continuation re-sends the whole prompt.
+MAX_CONTINUATIONS = 16
+# SGLang's defaults for sampling parameters a request leaves out (SamplingParams.__init__).
+SGLANG_DEFAULT_TEMPERATURE = 1.0
+# SGLang samples greedily below this temperature (sampling_params._SAMPLING_EPS) and then returns
+# the raw log_softmax; so it does for top_k == 1.
+SGLANG_SAMPLING_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class Segment:
+    generation: Generation
+    version: int  # the model version its tokens were generated under
+
+
+@dataclass(frozen=True)
+class MergedTurn:
+    generation: Generation  # all segments' tokens as one answer, finished as the last one finished
+    version: int  # the version of the first segment
+    version_changes: list[tuple[int, int]]  # (offset into output_ids, version) where it changed
+    continuations: int  # segments after the first
+
+
+def engine_version(weight_version: str | None, fallback: int) -> int:
+    """The model version of an SGLang answer: its `weight_version` when that is an integer (the
+    trainer client sets it to the version it publishes), else the proxy's own version."""
+    if weight_version is None:
+        return fallback
+    try:
+        version = int(weight_version.strip())
+    except ValueError:
+        return fallback
+    return version if 0 <= version <= MAX_MODEL_VERSION else fallback
+
+
+def logprobs_tempered(engine_logprobs: str, sampling_params: dict[str, Any]) -> tuple[float, bool]:
+    """(sampling temperature, whether SGLang's logprobs for it are log_softmax(logits / temperature)).
+
+    SGLang's Sampler returns tempered logprobs on its sampling path unless the engine runs with
+    SGLANG_RETURN_ORIGINAL_LOGPROB=1 (`engine_logprobs == "original"`); greedy decoding
+    (temperature below its epsilon, or top_k == 1) returns the raw log_softmax; at temperature 1
+    the two are the same."""
+    temperature = float(sampling_params.get("temperature", SGLANG_DEFAULT_TEMPERATURE))
+    greedy = temperature < SGLANG_SAMPLING_EPS or sampling_params.get("top_k") == 1
+    tempered = engine_logprobs == "tempered" and not greedy and not math.isclose(temperature, 1.0)
+    return temperature, tempered
+
+
+def continuation_request(
+    prompt: list[int], sampling_params: dict[str, Any], segments: Sequence[Segment]
+) -> tuple[list[int], dict[str, Any]] | None:
+    """The prompt and sampling parameters that continue a turn after aborted `segments`, or None
+    when the budget is spent (the turn then ends as `length`)."""
+    produced = [t for s in segments for t in s.generation.output_ids]
+    remaining = int(sampling_params["max_new_tokens"]) - len(produced)
+    if remaining <= 0:
+        return None
+    sampling = {**sampling_params, "max_new_tokens": remaining}
+    min_new = sampling_params.get("min_new_tokens")
+    if isinstance(min_new, int) and not isinstance(min_new, bool):
+        sampling["min_new_tokens"] = max(0, min_new - len(produced))
+    return prompt + produced, sampling
+
+
+def merge_segments(
+    segments: Sequence[Segment], max_new_tokens: int, decode: Callable[[list[int]], str]
+) -> MergedTurn:
+    """One answer from a turn's segments. A single segment is returned as it came; several are
+    decoded again as one text (decoding pieces apart can split a character at the seam)."""
+    first, last = segments[0], segments[-1]
+    if len(segments) == 1:
+        return MergedTurn(first.generation, first.version, [], 0)
+    output_ids = array("i")
+    logprobs = array("f")
+    changes: list[tuple[int, int]] = []
+    current: int | None = None  # the version of the tokens so far; a segment without tokens has none
+    for segment in segments:
+        ids = segment.generation.output_ids
+        if not ids:
+            continue
+        if current is None:
+            current = segment.version
+        elif segment.version != current:
+            changes.append((len(output_ids), segment.version))
+            current = segment.version
+        output_ids.extend(ids)
+        logprobs.extend(segment.generation.logprobs)
+    first_version = next((s.version for s in segments if s.generation.output_ids), last.version)
+    ended = last.generation
+    finish = ended.finish_reason
+    if ended.aborted and len(output_ids) >= max_new_tokens:
+        finish = "length"  # aborted exactly as the budget ran out
+    text = decode(output_ids.tolist())
+    if ended.stop_string:
+        at = text.find(ended.stop_string)
+        if at >= 0:
+            text = text[:at]
+    merged = replace(
+        ended,
+        output_ids=output_ids,
+        logprobs=logprobs,
+        text=text,
+        finish_reason=finish,
+        prompt_tokens=first.generation.prompt_tokens,
+        cached_tokens=first.generation.cached_tokens,
+        abort_message=None if finish != "abort" else ended.abort_message,
+    )
+    return MergedTurn(merged, first_version, changes, len(segments) - 1)
