@@ -7,6 +7,8 @@ and `SamplingParams.verify`; it records each request's headers."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from proxy_harness import running_proxy
@@ -105,3 +107,49 @@ def test_length_with_eos_as_the_last_token_is_a_stop(test_tokenizer_dir, tmp_pat
             tokenize=True,
         )["input_ids"]
         assert ids[: len(expected)] == expected, "one <|im_end|>, then the template's newline"
+
+
+class FailingUpstream:
+    """Answers every /generate with `status` (as SGLang does for a scheduler-side failure: 500 from
+    an exception, 503 while it is unhealthy or shutting down), or never answers (`hang`)."""
+
+    def __init__(self, status: int | None):
+        self.status = status
+        self.requests = 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan(receive, send)
+            return
+        await read_body(receive)
+        self.requests += 1
+        if self.status is None:
+            await asyncio.sleep(3600)  # a hung engine; the proxy's timeout ends the wait
+        await send_json(send, self.status, {"error": {"message": f"engine failure {self.status}"}})
+
+
+@pytest.mark.parametrize(
+    ("status", "expected", "code"),
+    [(500, 502, "upstream_error"), (503, 502, "upstream_error"), (None, 504, "upstream_timeout")],
+    ids=["500", "503", "hang"],
+)
+def test_a_failing_engine_gets_a_retryable_error_and_leaves_the_session_intact(
+    status, expected, code, test_tokenizer_dir, tmp_path
+):
+    upstream = FailingUpstream(status)
+    with (
+        serve_app(upstream) as url,
+        running_proxy(url, test_tokenizer_dir, tmp_path / "d", upstream_timeout_s=1.0) as proxy,
+    ):
+        sid, key = proxy.create_session()
+        before = proxy.get(sid, key).json()
+        response = httpx.post(
+            f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"messages": [{"role": "user", "content": "hello"}]},
+            timeout=30,
+        )
+        assert (response.status_code, response.json()["error"]["code"]) == (expected, code)
+        assert upstream.requests == 1
+        assert proxy.get(sid, key).json() == before
+        assert proxy.stats()["totals"]["turns_failed"] == 1
