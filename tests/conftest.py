@@ -25,9 +25,10 @@ def test_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path
 
 
 @pytest.fixture(scope="session")
-def refengine_url(test_tokenizer_dir: pathlib.Path) -> Iterator[str]:
-    """Base URL of a reference engine (seed 0, no delay) served for the whole test session."""
-    from rolloutfleet_testkit.refengine.server import create_app
+def sglang_emulator_url(test_tokenizer_dir: pathlib.Path) -> Iterator[str]:
+    """Base URL of an SGLang emulator (weights of seed 0, no delay) served for the whole test session,
+    started as with SGLang's --enable-deterministic-inference so that sampling_seed counts."""
+    from rolloutfleet_testkit.sglang_emulator.server import create_app
 
-    with serve_app(create_app(str(test_tokenizer_dir), seed=0)) as url:
+    with serve_app(create_app(str(test_tokenizer_dir), seed=0, deterministic_inference=True)) as url:
         yield url

@@ -190,7 +190,7 @@ def test_sglang_launch_server_becomes_the_reference_engine() -> None:
         "--random-seed", "7",
     ]  # fmt: skip
     argv = images.local_command("lmsysorg/sglang:latest", command, args)
-    assert argv[:3] == [sys.executable, "-m", "rolloutfleet_testkit.refengine.server"]
+    assert argv[:3] == [sys.executable, "-m", "rolloutfleet_testkit.sglang_emulator.server"]
     translated = argv[3:]
     pairs = dict(zip(translated[::2], translated[1::2], strict=True))
     assert pairs == {

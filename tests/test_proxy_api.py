@@ -19,8 +19,8 @@ from rolloutfleet_testkit.processes import (
     serve_app,
     wait_until_routed,
 )
-from rolloutfleet_testkit.refengine.model import load_model, score
-from rolloutfleet_testkit.refengine.server import create_app as create_engine_app
+from rolloutfleet_testkit.sglang_emulator.model import load_model, score
+from rolloutfleet_testkit.sglang_emulator.server import create_app as create_engine_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
 from transformers import AutoTokenizer
 

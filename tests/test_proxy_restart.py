@@ -13,7 +13,7 @@ import pytest
 from proxy_harness import ADMIN, ADMIN_KEY, chat_body
 from rolloutfleet_proxy.dumps import LIVE_AREA
 from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, serve_app
-from rolloutfleet_testkit.refengine.server import create_app as create_engine_app
+from rolloutfleet_testkit.sglang_emulator.server import create_app as create_engine_app
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import pytest
 import torch
 from rolloutfleet_testkit import tokenizer_builder
 from rolloutfleet_testkit.processes import ServerProcess, free_port, serve_app, wait_http_ok
-from rolloutfleet_testkit.refengine import server as engine_server
-from rolloutfleet_testkit.refengine.model import TinyCausalLM, generate, load_model, score
+from rolloutfleet_testkit.sglang_emulator import server as engine_server
+from rolloutfleet_testkit.sglang_emulator.model import TinyCausalLM, generate, load_model, score
 from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
 from rolloutfleet_testkit.upstream_stub import TOKEN_LOGPROB
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub
@@ -153,7 +153,7 @@ def test_score_matches_generate(model, tokenizer, temperature, top_p, seed):
     result = generate(model, prompt, 96, temperature, top_p, seed, {tokenizer.eos_token_id})
     assert len(result.output_ids) == len(result.logprobs) > 1
     assert all(lp <= 0 for lp in result.logprobs)
-    scored = score(model, prompt, result.output_ids)
+    scored = score(model, prompt, result.output_ids, temperature)  # tempered when sampling
     assert scored == pytest.approx(result.logprobs, abs=1e-5)
     # The EOS bonus is part of the reported numbers: without it the late positions differ.
     plain = TinyCausalLM(
@@ -195,7 +195,7 @@ async def _post(url: str, body: object, **kwargs) -> httpx.Response:
         return await client.post(url, json=body, **kwargs)
 
 
-async def test_generate_answers_in_sglang_shape(refengine_url, model, tokenizer):
+async def test_generate_answers_in_sglang_shape(sglang_emulator_url, model, tokenizer):
     prompt = _chat_ids(tokenizer, MESSAGES)
     body = {
         "input_ids": prompt,
@@ -203,7 +203,7 @@ async def test_generate_answers_in_sglang_shape(refengine_url, model, tokenizer)
         "return_logprob": True,
         "logprob_start_len": -1,
     }
-    response = await _post(f"{refengine_url}/generate", body)
+    response = await _post(f"{sglang_emulator_url}/generate", body)
     assert response.status_code == 200, response.text
     answer = response.json()
     expected = generate(model, prompt, 96, 0.0, 1.0, None, {tokenizer.eos_token_id})
@@ -223,41 +223,45 @@ async def test_generate_answers_in_sglang_shape(refengine_url, model, tokenizer)
 
     # Without return_logprob there are no logprobs; text input means the same as its ids.
     text = "The server answered the request."
-    by_text = (await _post(f"{refengine_url}/generate", {"text": text})).json()
-    by_ids = (await _post(f"{refengine_url}/generate", {"input_ids": tokenizer.encode(text)})).json()
+    greedy = {"max_new_tokens": 16, "temperature": 0}
+    by_text = (
+        await _post(f"{sglang_emulator_url}/generate", {"text": text, "sampling_params": greedy})
+    ).json()
+    by_ids = {"input_ids": tokenizer.encode(text), "sampling_params": greedy}
+    by_ids = (await _post(f"{sglang_emulator_url}/generate", by_ids)).json()
     assert "output_token_logprobs" not in by_text["meta_info"]
     assert by_text["output_ids"] == by_ids["output_ids"]
 
 
-@pytest.mark.parametrize(
-    "seed_fields",
-    [
-        {"sampling_params": {"sampling_seed": 5}},
-        {"sampling_params": {"seed": 5}},
-        {"seed": 5},
-    ],
-)
-async def test_generate_sampling_follows_the_seed(refengine_url, model, tokenizer, seed_fields):
+async def test_generate_sampling_follows_the_seed_in_deterministic_mode(
+    sglang_emulator_url, model, tokenizer
+):
+    """sampling_seed counts with --enable-deterministic-inference (the fixture's engine); logprobs are
+    log_softmax(logits / temperature) on the sampling path (Sampler.forward)."""
     prompt = _chat_ids(tokenizer, MESSAGES)
-    params = {"max_new_tokens": 64, "temperature": 0.8, "top_p": 0.9}
-    body = {"input_ids": prompt, "return_logprob": True, **seed_fields}
-    body["sampling_params"] = {**params, **seed_fields.get("sampling_params", {})}
-    answer = (await _post(f"{refengine_url}/generate", body)).json()
+    params = {"max_new_tokens": 64, "temperature": 0.8, "top_p": 0.9, "sampling_seed": 5}
+    body = {"input_ids": prompt, "return_logprob": True, "sampling_params": params}
+    answer = (await _post(f"{sglang_emulator_url}/generate", body)).json()
     expected = generate(model, prompt, 64, 0.8, 0.9, 5, {tokenizer.eos_token_id})
     assert answer["output_ids"] == expected.output_ids
     logprobs = [entry[0] for entry in answer["meta_info"]["output_token_logprobs"]]
     assert logprobs == pytest.approx(expected.logprobs, abs=1e-6)
+    assert logprobs == pytest.approx(score(model, prompt, answer["output_ids"], 0.8), abs=1e-5)
+    # SamplingParams has no field `seed`: SGLang refuses it (the router would drop it first).
+    body["sampling_params"] = {**params, "seed": 5}
+    refused = await _post(f"{sglang_emulator_url}/generate", body)
+    assert refused.status_code == 400 and "seed" in refused.json()["error"]["message"]
 
 
-async def test_generate_length_and_stop_token_ids(refengine_url, model, tokenizer):
+async def test_generate_length_and_stop_token_ids(sglang_emulator_url, model, tokenizer):
     prompt = _chat_ids(tokenizer, MESSAGES)
     greedy = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
-    answer = (await _post(f"{refengine_url}/generate", greedy)).json()
+    answer = (await _post(f"{sglang_emulator_url}/generate", greedy)).json()
     assert answer["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
     assert len(answer["output_ids"]) == 3
     stop_at = answer["output_ids"][1]
     greedy["sampling_params"] = {"max_new_tokens": 50, "temperature": 0, "stop_token_ids": [stop_at]}
-    stopped = (await _post(f"{refengine_url}/generate", greedy)).json()
+    stopped = (await _post(f"{sglang_emulator_url}/generate", greedy)).json()
     assert stopped["output_ids"][-1] == stop_at
     assert stopped["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_at}
 
@@ -268,14 +272,14 @@ def _sse_events(raw: str) -> list[str]:
     return [event[len("data: ") :] for event in events]
 
 
-async def test_generate_streams_cumulative_chunks(refengine_url, tokenizer):
+async def test_generate_streams_cumulative_chunks(sglang_emulator_url, tokenizer):
     body = {
         "input_ids": _chat_ids(tokenizer, MESSAGES),
         "sampling_params": {"max_new_tokens": 40, "temperature": 0.9, "sampling_seed": 2},
         "return_logprob": True,
     }
-    whole = (await _post(f"{refengine_url}/generate", body)).json()
-    response = await _post(f"{refengine_url}/generate", {**body, "stream": True})
+    whole = (await _post(f"{sglang_emulator_url}/generate", body)).json()
+    response = await _post(f"{sglang_emulator_url}/generate", {**body, "stream": True})
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     events = _sse_events(response.text)
@@ -315,17 +319,17 @@ async def test_generate_streams_cumulative_chunks(refengine_url, tokenizer):
         b'{"input_ids": [1], "return_logprob": "yes"}',
     ],
 )
-async def test_generate_rejects_bad_input(refengine_url, body):
+async def test_generate_rejects_bad_input(sglang_emulator_url, body):
     async with httpx.AsyncClient(timeout=30) as client:
         response = await client.post(
-            f"{refengine_url}/generate", content=body, headers={"content-type": "application/json"}
+            f"{sglang_emulator_url}/generate", content=body, headers={"content-type": "application/json"}
         )
     assert response.status_code == 400
     assert isinstance(response.json()["error"]["message"], str)
 
 
-async def test_info_endpoints(refengine_url, test_tokenizer_dir):
-    async with httpx.AsyncClient(base_url=refengine_url, timeout=30) as client:
+async def test_info_endpoints(sglang_emulator_url, test_tokenizer_dir):
+    async with httpx.AsyncClient(base_url=sglang_emulator_url, timeout=30) as client:
         assert (await client.get("/health")).status_code == 200
         assert (await client.get("/health_generate")).status_code == 200
         model_info = (await client.get("/model_info")).json()
@@ -336,17 +340,17 @@ async def test_info_endpoints(refengine_url, test_tokenizer_dir):
         assert model_info["model_path"] == str(test_tokenizer_dir)
         server_info = (await client.get("/server_info")).json()
         assert server_info == (await client.get("/get_server_info")).json()
-        assert server_info["port"] == httpx.URL(refengine_url).port
+        assert server_info["port"] == httpx.URL(sglang_emulator_url).port
         assert server_info["model_path"] == model_info["model_path"]
         assert isinstance(server_info["version"], str) and server_info["version"]
         models = (await client.get("/v1/models")).json()
         assert [m["id"] for m in models["data"]] == [engine_server.DEFAULT_MODEL_NAME]
 
 
-async def test_chat_completions_with_the_openai_client(refengine_url, model, tokenizer):
+async def test_chat_completions_with_the_openai_client(sglang_emulator_url, model, tokenizer):
     import openai
 
-    client = openai.AsyncOpenAI(base_url=f"{refengine_url}/v1", api_key="unused", max_retries=0)
+    client = openai.AsyncOpenAI(base_url=f"{sglang_emulator_url}/v1", api_key="unused", max_retries=0)
     completion = await client.chat.completions.create(
         model=engine_server.DEFAULT_MODEL_NAME, messages=MESSAGES, temperature=0, max_tokens=64, logprobs=True
     )
@@ -403,10 +407,11 @@ async def _post_when_routed(url: str, body: dict, patience_s: float = 30.0) -> h
 async def test_sglang_router_routes_generate_to_the_engine(test_tokenizer_dir, model, tokenizer):
     engine_port, router_port, metrics_port = free_port(), free_port(), free_port()
     engine_url, router_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{router_port}"
-    engine_cli = shutil.which("rolloutfleet-refengine")
-    assert engine_cli, "the rolloutfleet-refengine console script is not installed"
+    engine_cli = shutil.which("rolloutfleet-sglang-emulator")
+    assert engine_cli, "the rolloutfleet-sglang-emulator console script is not installed"
     engine_argv = [engine_cli, "--host", "127.0.0.1", "--port", str(engine_port)]
     engine_argv += ["--tokenizer-path", str(test_tokenizer_dir), "--seed", "0", "--log-level", "warning"]
+    engine_argv += ["--enable-deterministic-inference"]
     router_argv = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
     router_argv += ["--port", str(router_port), "--worker-urls", engine_url, "--policy", "round_robin"]
     router_argv += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port)]

@@ -8,7 +8,7 @@
 | `…/rolloutfleet-rollout-example`        | `python -m rolloutfleet_client.rollout_example ARGS`         |
 | `…sglang-router…`                       | `python -m sglang_router.launch_router ROUTER-ARGS`          |
 | `lmsysorg/sglang` running the router    | same as above                                                |
-| `lmsysorg/sglang` running launch_server | `python -m rolloutfleet_testkit.refengine.server TRANSLATED` |
+| `lmsysorg/sglang` running launch_server | `python -m rolloutfleet_testkit.sglang_emulator.server ARGS` |
 | anything else (busybox, python, …)      | `command` + `args` exactly as given, resolved on the host    |
 
 `python` is this interpreter (`sys.executable`). PROXY_PYTHON is `$ROLLOUTFLEET_PROXY_PYTHON` when
@@ -41,7 +41,7 @@ from pathlib import PurePosixPath
 from .errors import image_error
 
 ROUTER_MODULE = "sglang_router.launch_router"
-ENGINE_MODULE = "rolloutfleet_testkit.refengine.server"
+ENGINE_MODULE = "rolloutfleet_testkit.sglang_emulator.server"
 SGLANG_ENGINE_REPOSITORY = "lmsysorg/sglang"
 # SGLang flag → reference engine flag; flags not listed are dropped.
 ENGINE_FLAGS = {

@@ -1,11 +1,14 @@
-"""The CPU reference engine's model: a TEST STAND-IN for the LLM a GPU SGLang server would run.
+"""The SGLang emulator's model: a TEST STAND-IN for the LLM a GPU SGLang server would run.
 
 A tiny randomly initialised causal LM (embedding, one GRU layer, linear head). Its weights come
 only from a seed, so every process that loads it with the same seed computes the same logits;
 that lets tests check token ids and logprobs recorded elsewhere against `score()`.
 
-Logprob convention (the same as SGLang's `output_token_logprobs`): the log-softmax of the
-untempered logits at the chosen token. Temperature and top-p only change which token is chosen.
+Logprob convention (SGLang's `output_token_logprobs`, `Sampler.forward`): when sampling, the
+log-softmax of the logits divided by the temperature at the chosen token; when decoding greedily
+(temperature 0), or with `original=True` (SGLANG_RETURN_ORIGINAL_LOGPROB=1), the log-softmax of the
+logits themselves. Top-p only changes which token is chosen. `score(..., temperature=T)` computes
+either.
 """
 
 from __future__ import annotations
@@ -114,9 +117,14 @@ def _check_ids(model: TinyCausalLM, ids: Iterable[int], what: str) -> list[int]:
     return ids
 
 
-def _nucleus_sample(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator
-) -> int:
+def token_logprob(logits: torch.Tensor, token: int, temperature: float, original: bool = False) -> float:
+    """SGLang's reported logprob of `token`: log_softmax(logits / temperature) on the sampling path,
+    log_softmax(logits) when greedy or with the original-logprob switch (`Sampler.forward`)."""
+    scaled = logits if original or temperature == 0 else logits / temperature
+    return float(torch.log_softmax(scaled, dim=-1)[token])
+
+
+def nucleus_sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True, stable=True)
@@ -134,6 +142,7 @@ def iter_generate(
     top_p: float = 1.0,
     seed: int | None = None,
     stop_token_ids: Iterable[int] = (),
+    original_logprobs: bool = False,
 ) -> Iterator[tuple[int, float]]:
     """Yield (token_id, logprob) one output token at a time; see `generate`.
 
@@ -160,8 +169,8 @@ def iter_generate(
         if temperature == 0:
             token = int(torch.argmax(final))
         else:
-            token = _nucleus_sample(final, temperature, top_p, generator)
-        yield token, float(torch.log_softmax(final, dim=-1)[token])
+            token = nucleus_sample(final, temperature, top_p, generator)
+        yield token, token_logprob(final, token, temperature, original_logprobs)
         if token in stops or position + 1 == max_new_tokens:
             return
         logits, hidden = model(torch.tensor([token], dtype=torch.long), hidden)
@@ -190,8 +199,11 @@ def generate(
     return GenerationResult(output_ids, [logprob for _, logprob in steps], finish)
 
 
-def score(model: TinyCausalLM, prompt_ids: list[int], output_ids: list[int]) -> list[float]:
-    """Teacher-forced logprobs of output_ids after prompt_ids, by the generate() convention.
+def score(
+    model: TinyCausalLM, prompt_ids: list[int], output_ids: list[int], temperature: float = 1.0
+) -> list[float]:
+    """Teacher-forced logprobs of output_ids after prompt_ids, by the generate() convention at
+    `temperature` (1.0, or 0 for greedy: the raw log-softmax; else tempered).
 
     The whole sequence goes through the GRU in one call (generate steps token by token), so this
     is an independent check of what generate reported, equal to within float rounding.
@@ -207,5 +219,7 @@ def score(model: TinyCausalLM, prompt_ids: list[int], output_ids: list[int]) -> 
     positions = torch.arange(len(outputs))
     # Row len(prompt)-1+i predicts output position i.
     decisive = model.final_logits(logits[len(prompt) - 1 :], positions)
+    if temperature not in (0, 1):
+        decisive = decisive / temperature
     logprobs = torch.log_softmax(decisive, dim=-1)[positions, torch.tensor(outputs)]
     return logprobs.tolist()
