@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     step(f"starting the CPU reference engine (test stand-in for SGLang) on {engine_url}")
     with ServerProcess(
         python_module(
-            "rolloutfleet_testkit.refengine.server",
+            "rolloutfleet_testkit.sglang_emulator.server",
             "--host",
             "127.0.0.1",
             "--port",
