@@ -9,6 +9,7 @@ upstream that answers exactly like that (a scripted stand-in: it aborts when tol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 import time
@@ -293,3 +294,116 @@ def test_a_version_1_batch_still_decodes():
     header["format_version"] = 1
     old = decode_batch(save(tensors, metadata={FORMAT: orjson.dumps(header).decode()}))
     assert np.isnan(old.tensors["turn_temperatures"]).all() and old.trajectory(0)["turn_tempered"] == [False]
+
+
+# --- the real sglang-router over two SGLang emulators, a weight update in the middle of a rollout -----
+
+
+@contextlib.contextmanager
+def routed_emulators(test_tokenizer_dir, tmp_path, count: int = 2):
+    """`count` SGLang emulators (test stand-ins for GPU engines; 20 ms per decode step, so generations
+    are in flight when the trainer pauses them) behind the real sglang-router with the manual policy."""
+    from rolloutfleet_testkit.processes import ServerProcess, free_port, python_module, wait_until_routed
+    from rolloutfleet_testkit.sglang_emulator.server import create_app as create_emulator
+
+    with contextlib.ExitStack() as stack:
+        engines = [
+            stack.enter_context(
+                serve_app(create_emulator(str(test_tokenizer_dir), seed=0, token_delay_s=0.02))
+            )
+            for _ in range(count)
+        ]
+        port, metrics = free_port(), free_port()
+        args = python_module(
+            "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+            "--worker-urls", *engines, "--policy", "manual", "--log-level", "warn",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
+        )  # fmt: skip
+        router = stack.enter_context(ServerProcess(args, tmp_path / "router.log"))
+        url = f"http://127.0.0.1:{port}"
+        router.wait_ready(f"{url}/health", 60)
+        wait_until_routed(url)
+        yield url, engines
+
+
+def _play(proxy, sessions: list[tuple[str, str]], turns: int, errors: list) -> None:
+    def one(sid: str, key: str) -> None:
+        messages: list[dict] = []
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"turn {turn} of {sid}: tell me more"})
+            response = httpx.post(
+                f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+                headers={"Authorization": f"Bearer {key}"},
+                json={"messages": messages, "max_tokens": 40, "temperature": 0.8},
+                timeout=120,
+            )
+            if response.status_code != 200:
+                errors.append(response.text)
+                return
+            messages.append(response.json()["choices"][0]["message"])
+
+    threads = [threading.Thread(target=one, args=s) for s in sessions]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(300)
+
+
+@pytest.mark.router
+@pytest.mark.parametrize("mode", ["abort", "in_place"])
+def test_a_weight_update_mid_rollout_loses_no_token_and_records_versions(mode, test_tokenizer_dir, tmp_path):
+    from rolloutfleet_proxy.trainer_client import TrainerClient
+    from rolloutfleet_testkit.sglang_emulator.model import load_model, score
+    from rolloutfleet_testkit.sglang_emulator.server import write_weights
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(test_tokenizer_dir))
+    models = {
+        v: load_model(len(tokenizer), seed=s, eos_token_id=tokenizer.eos_token_id)
+        for v, s in ((0, 0), (1, 7))
+    }
+    weights = write_weights(tmp_path / "v1", seed=7)
+    with (
+        routed_emulators(test_tokenizer_dir, tmp_path) as (router_url, engines),
+        running_proxy(router_url, test_tokenizer_dir, None) as proxy,
+    ):
+        sessions = [proxy.create_session() for _ in range(6)]
+        errors: list = []
+        rollout = threading.Thread(target=_play, args=(proxy, sessions, 3, errors))
+        rollout.start()
+        deadline = time.monotonic() + 30
+        while proxy.stats()["inflight_turns"] < 4:  # generations under way on both engines
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.3)
+        with TrainerClient(proxy.url, ADMIN["Authorization"].split()[1], engine_urls=engines) as trainer:
+            steps = trainer.update_weights(1, model_path=str(weights), mode=mode)
+        assert set(steps["weights"]) == set(engines)
+        rollout.join(300)
+        assert not errors, errors
+        totals = proxy.stats()["totals"]
+        assert totals["turns"] == 18 and totals["generated_tokens_discarded"] == 0
+        if mode == "abort":
+            assert totals["turns_continued"] >= 1 and totals["generated_tokens_continued"] > 0
+        else:
+            assert totals["turns_continued"] == 0
+        spanning = 0
+        for sid, key in sessions:
+            trajectory = proxy.get(sid, key).json()["trajectory"]
+            assert len(trajectory["turns"]) == 3  # every turn recorded once
+            for _, output_start, end in trajectory["turns"]:
+                versions = trajectory["versions"][output_start:end]
+                ended_on_eos = trajectory["input_ids"][end - 1] == tokenizer.eos_token_id
+                assert end - output_start == 40 or ended_on_eos, "a turn ends at its budget or on EOS"
+                assert versions == sorted(versions) and set(versions) <= {0, 1}
+                if mode == "abort" and len(set(versions)) == 2:
+                    spanning += 1
+                    # Each segment's logprobs are those of the weights its version names (tempered at
+                    # 0.8), the continuation's prompt holding the tokens made before the abort.
+                    ids = trajectory["input_ids"]
+                    change = output_start + versions.index(1)
+                    for start, stop, version in ((output_start, change, 0), (change, end, 1)):
+                        expected = score(models[version], ids[:start], ids[start:stop], 0.8)
+                        assert trajectory["logprobs"][start:stop] == pytest.approx(expected, abs=1e-4)
+        if mode == "abort":
+            assert spanning >= 1, "a turn was cut by the update and continued under the new weights"
