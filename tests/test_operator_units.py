@@ -112,7 +112,7 @@ def test_a_sparse_object_parses_with_the_crd_defaults():
     assert fleet.proxy.image == "rolloutfleet-proxy:0.1.0"
     assert fleet.proxy.dump.path == "/var/lib/rolloutfleet/dumps" and fleet.proxy.dump.empty_dir == {}
     assert fleet.proxy.memory.consecutive_samples == 3 and not fleet.proxy.memory.enabled
-    assert fleet.gateway.port == 30080 and fleet.gateway.policy == "cache_aware"
+    assert fleet.gateway.port == 30080 and fleet.gateway.policy == "manual"  # routes by session
     assert fleet.engines is not None and fleet.engines.gpus_per_engine == 1
     assert fleet.engines.tensor_parallel_size == 1 and fleet.engines.port == 30000
 
@@ -230,7 +230,7 @@ GPU_ROWS = [
     ("extra env last", container(POD)["env"][-1]["name"], "ROLLOUTFLEET_PROXY_LOG_LEVEL"),
     ("gateway image", container(GATEWAY)["image"], "lmsysorg/sglang-router:latest"),
     ("gateway replicas", GATEWAY["spec"]["replicas"], 1),
-    ("gateway policy", flag(container(GATEWAY)["args"], "--policy"), "cache_aware"),
+    ("gateway policy", flag(container(GATEWAY)["args"], "--policy"), "manual"),
     ("gateway port", flag(container(GATEWAY)["args"], "--port"), "30080"),
     ("gateway metrics", flag(container(GATEWAY)["args"], "--prometheus-port"), "29000"),
     ("gateway resources", container(GATEWAY)["resources"], {"requests": {"cpu": "1", "memory": "1Gi"}}),
@@ -238,8 +238,9 @@ GPU_ROWS = [
     (
         "gateway readiness",
         container(GATEWAY)["readinessProbe"]["httpGet"],
-        {"path": "/health", "port": 30080},
+        {"path": "/readiness", "port": 30080},  # 503 while no worker is healthy
     ),
+    ("gateway liveness", container(GATEWAY)["livenessProbe"]["httpGet"], {"path": "/health", "port": 30080}),
     ("gateway discovery port", flag(container(GATEWAY)["args"], "--service-discovery-port"), "30000"),
     ("gateway discovery ns", flag(container(GATEWAY)["args"], "--service-discovery-namespace"), "rl"),
     ("engine replicas", ENGINE["spec"]["replicas"], 2),
@@ -1121,7 +1122,8 @@ def test_switching_to_external_engines_makes_the_engine_deployment_unwanted():
     external = _mutated("externalEngineUrls", ["http://e:1"])
     del external["spec"]["engines"]
     assert manifests.unwanted_children(parse_fleet(external)) == [
-        ("apps/v1", "Deployment", "gpu-fleet-engine")
+        ("apps/v1", "Deployment", "gpu-fleet-engine"),
+        ("v1", "Service", "gpu-fleet-engines"),
     ]
 
 
@@ -1146,3 +1148,61 @@ def test_pod_event_needs_pass(event_type, pod, was_ready, needed):
     from rolloutfleet_operator.plan import pod_event_needs_pass
 
     assert pod_event_needs_pass(event_type, pod, was_ready) is needed
+
+
+# --- what real SGLang needs (issue #12) -----------------------------------------------------------
+
+
+def _env_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value") for e in container(manifest)["env"]}
+
+
+def test_engines_do_not_flap_during_weight_updates_and_get_time_to_drain():
+    env = _env_of(ENGINE)
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"  # /health cheap, not a generation
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env
+    probes = container(ENGINE)
+    assert {probes[p]["httpGet"]["path"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {
+        "/health"
+    }
+    startup = probes["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 3600  # weight loading
+    assert pod_spec(ENGINE)["terminationGracePeriodSeconds"] == 600
+
+
+def test_original_logprobs_reach_engines_and_proxies_alike():
+    fleet = parse_fleet(_mutated("proxy.engineLogprobs", "original"))
+    assert _env_of(manifests.engine_deployment(fleet))["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"
+    assert _env_of(manifests.proxy_pod(fleet, 0))["ROLLOUTFLEET_PROXY_ENGINE_LOGPROBS"] == "original"
+    assert _env_of(manifests.proxy_pod(GPU, 0))["ROLLOUTFLEET_PROXY_ENGINE_LOGPROBS"] == "tempered"
+    assert manifests.template_hash(fleet) != manifests.template_hash(GPU)  # the proxies roll
+
+
+def test_engines_get_a_headless_service_and_the_gateway_service_its_metrics_port():
+    service = manifests.engine_service(GPU)
+    assert service["metadata"]["name"] == "gpu-fleet-engines" and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"] == manifests.labels(GPU, "engine")
+    assert service in manifests.desired_children(GPU)
+    ports = {p["name"]: p["port"] for p in manifests.gateway_service(GPU)["spec"]["ports"]}
+    assert ports == {"http": 30080, "metrics": 29000}
+    moved = parse_fleet(_mutated("gateway.metricsPort", 29100))
+    assert flag(container(manifests.gateway_deployment(moved))["args"], "--prometheus-port") == "29100"
+
+
+def test_engine_endpoints_are_ready_live_engine_pods_or_the_external_urls():
+    from rolloutfleet_operator.plan import ready_pod_urls
+
+    def pod(name: str, ip: str | None, ready: bool, deleting: bool = False) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"name": name}
+        if deleting:
+            metadata["deletionTimestamp"] = "2026-11-22T00:00:00Z"
+        status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+        if ip:
+            status["podIP"] = ip
+        return {"metadata": metadata, "status": status}
+
+    pods = [pod("e-b", "10.0.0.2", True), pod("e-a", "10.0.0.1", True), pod("e-c", "10.0.0.3", False)]
+    pods += [pod("e-d", "10.0.0.4", True, deleting=True), pod("e-e", None, True)]
+    assert ready_pod_urls(pods, 30000) == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+    observed = ObservedState(1, (), "h", engine_endpoints=("http://10.0.0.1:30000",))
+    assert fleet_status(GPU, observed, "now")["engineEndpoints"] == ["http://10.0.0.1:30000"]

@@ -104,6 +104,7 @@ class ObservedState:
     engines_ready: int | None = None  # None when the engines are external
     engines_desired: int | None = None
     create_failures: tuple[str, ...] = ()  # "<pod>: <error>" for proxy pods the API refused to create
+    engine_endpoints: tuple[str, ...] = ()  # URLs of Ready engine pods, or the external engine URLs
 
     @property
     def live(self) -> list[ProxyPodView]:
@@ -260,5 +261,6 @@ def fleet_status(
         "selector": selector_string(fleet, "proxy"),
         "gatewayUrl": gateway_url(fleet),
         "proxyEndpoints": endpoints,
+        "engineEndpoints": list(observed.engine_endpoints),
         "conditions": fleet_conditions(observed, fleet.generation, now, previous_conditions),
     }

@@ -54,15 +54,18 @@ DEFAULTS: dict[str, Any] = {
     "proxy.memory.refuseNewSessionsPercent": 90,
     "proxy.exportTtlSeconds": 600,
     "proxy.admission.maxConcurrentSessions": 0,
+    "proxy.engineLogprobs": "tempered",
     "gateway.image": "lmsysorg/sglang-router:latest",
     "gateway.replicas": 1,
     "gateway.port": 30080,
-    "gateway.policy": "cache_aware",
+    "gateway.policy": "manual",
+    "gateway.metricsPort": 29000,
     "engines.replicas": 1,
     "engines.image": "lmsysorg/sglang:latest",
     "engines.port": 30000,
     "engines.tensorParallelSize": 1,
     "engines.gpusPerEngine": 1,
+    "engines.terminationGracePeriodSeconds": 600,
 }
 
 
@@ -167,6 +170,9 @@ class ProxySpec:
     tool_call_parser: str | None
     reasoning_parser: str | None
     chat_template_kwargs: dict[str, Any]
+    # What the engines' logprobs are: "tempered" (SGLang's default) or "original"
+    # (SGLANG_RETURN_ORIGINAL_LOGPROB=1, set on operator-run engines to match).
+    engine_logprobs: str
 
 
 @dataclass(frozen=True)
@@ -175,6 +181,7 @@ class GatewaySpec:
     replicas: int
     port: int
     policy: str
+    metrics_port: int
     extra_args: tuple[str, ...]
     node_selector: dict[str, str]
     tolerations: tuple[dict[str, Any], ...]
@@ -195,6 +202,7 @@ class EngineSpec:
     resources: dict[str, Any]
     volumes: tuple[dict[str, Any], ...]
     volume_mounts: tuple[dict[str, Any], ...]
+    termination_grace_period_s: int
 
 
 @dataclass(frozen=True)
@@ -293,6 +301,7 @@ def _parse_proxy(raw: Mapping[str, Any]) -> ProxySpec:
         tool_call_parser=_optional_str(raw.get("toolCallParser")),
         reasoning_parser=_optional_str(raw.get("reasoningParser")),
         chat_template_kwargs=_copy_dict(raw.get("chatTemplateKwargs")),
+        engine_logprobs=_get(raw, "engineLogprobs", "proxy.engineLogprobs"),
     )
 
 
@@ -302,6 +311,7 @@ def _parse_gateway(raw: Mapping[str, Any]) -> GatewaySpec:
         replicas=int(_get(raw, "replicas", "gateway.replicas")),
         port=int(_get(raw, "port", "gateway.port")),
         policy=_get(raw, "policy", "gateway.policy"),
+        metrics_port=int(_get(raw, "metricsPort", "gateway.metricsPort")),
         extra_args=tuple(str(a) for a in raw.get("extraArgs") or ()),
         node_selector=_copy_dict(raw.get("nodeSelector")),
         tolerations=_copy_list(raw.get("tolerations")),
@@ -325,6 +335,9 @@ def _parse_engines(raw: Mapping[str, Any]) -> EngineSpec:
         resources=_copy_dict(raw.get("resources")),
         volumes=_copy_list(raw.get("volumes")),
         volume_mounts=_copy_list(raw.get("volumeMounts")),
+        termination_grace_period_s=int(
+            _get(raw, "terminationGracePeriodSeconds", "engines.terminationGracePeriodSeconds")
+        ),
     )
 
 
@@ -392,6 +405,11 @@ def gateway_name(fleet: Fleet) -> str:
 
 def engine_name(fleet: Fleet) -> str:
     return f"{fleet.name}-engine"
+
+
+def engine_service_name(fleet: Fleet) -> str:
+    """The headless Service over the engine pods (DNS for the trainer's pause and weight updates)."""
+    return f"{fleet.name}-engines"
 
 
 def generated_admin_key_secret_name(fleet: Fleet) -> str:

@@ -33,6 +33,7 @@ from .fleet import (
     Fleet,
     client_service_name,
     engine_name,
+    engine_service_name,
     gateway_name,
     gateway_url,
     headless_service_name,
@@ -46,7 +47,11 @@ PROXY_CONTAINER = "proxy"
 GATEWAY_CONTAINER = "router"
 ENGINE_CONTAINER = "engine"
 GPU_RESOURCE = "nvidia.com/gpu"
-GATEWAY_METRICS_PORT = 29000
+# SGLang's switch that makes /health cheap instead of a generation that hangs behind a weight update,
+# and the one that makes its logprobs untempered.
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+ENGINE_STARTUP_S = 3600  # loading a large model's weights can take tens of minutes
 NONROOT_ID = 65532
 
 POD_IP_ENV: Manifest = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
@@ -149,6 +154,7 @@ def _proxy_env(fleet: Fleet, pod_name: str, public_url: str) -> list[Manifest]:
         _env(ENV["drain_grace_s"], proxy.drain_grace_s),
         _env(ENV["public_url"], public_url),
         _env(ENV["export_ttl_s"], proxy.export_ttl_s),
+        _env(ENV["engine_logprobs"], proxy.engine_logprobs),
         *_chat_format_env(fleet),
         *_runtime_tunable_env(fleet),
         {
@@ -377,7 +383,7 @@ def gateway_args(fleet: Fleet) -> list[str]:
         ]
     else:
         args += ["--worker-urls", *fleet.external_engine_urls]
-    args += ["--prometheus-host", "$(POD_IP)", "--prometheus-port", str(GATEWAY_METRICS_PORT)]
+    args += ["--prometheus-host", "$(POD_IP)", "--prometheus-port", str(gateway.metrics_port)]
     return args + list(gateway.extra_args)
 
 
@@ -391,9 +397,12 @@ def gateway_deployment(fleet: Fleet) -> Manifest:
         "env": [copy.deepcopy(POD_IP_ENV)],
         "ports": [
             {"name": "http", "containerPort": gateway.port, "protocol": "TCP"},
-            {"name": "metrics", "containerPort": GATEWAY_METRICS_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": gateway.metrics_port, "protocol": "TCP"},
         ],
-        "readinessProbe": _http_probe("/health", gateway.port, period_s=5, failure_threshold=3),
+        # sglang-router: /health is liveness (always 200); /readiness is 503 while no worker is
+        # healthy, so a gateway without engines is not Ready.
+        "readinessProbe": _http_probe("/readiness", gateway.port, period_s=5, failure_threshold=3),
+        "livenessProbe": _http_probe("/health", gateway.port, period_s=10, failure_threshold=6, timeout_s=5),
     }
     if gateway.resources:
         container["resources"] = copy.deepcopy(gateway.resources)
@@ -416,6 +425,12 @@ def gateway_service(fleet: Fleet) -> Manifest:
             "selector": labels(fleet, "gateway"),
             "ports": [
                 {"name": "http", "port": fleet.gateway.port, "targetPort": "http", "protocol": "TCP"},
+                {
+                    "name": "metrics",
+                    "port": fleet.gateway.metrics_port,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                },
             ],
         },
     }
@@ -444,10 +459,16 @@ def engine_deployment(fleet: Fleet) -> Manifest:
             str(engines.tensor_parallel_size),
             *engines.args,
         ],
-        "env": [copy.deepcopy(POD_IP_ENV)],
+        "env": engine_env(fleet),
         "ports": [{"name": "http", "containerPort": engines.port, "protocol": "TCP"}],
-        # Loading weights takes minutes: readiness only, no liveness probe to kill a slow start.
+        # With health generation off, SGLang's /health answers at once, also while weights update
+        # (a generating /health hangs then and would fail the probes on every weight sync). The
+        # startup probe gives weight loading up to an hour before liveness counts.
+        "startupProbe": _http_probe(
+            "/health", engines.port, period_s=10, failure_threshold=ENGINE_STARTUP_S // 10, timeout_s=5
+        ),
         "readinessProbe": _http_probe("/health", engines.port, period_s=5, failure_threshold=3, timeout_s=5),
+        "livenessProbe": _http_probe("/health", engines.port, period_s=15, failure_threshold=8, timeout_s=10),
     }
     resources = _merge_resources(engines.resources, engines.gpus_per_engine)
     if resources:
@@ -459,11 +480,39 @@ def engine_deployment(fleet: Fleet) -> Manifest:
         volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     container["volumeMounts"] = mounts
-    pod_spec: Manifest = {"enableServiceLinks": False, "containers": [container], "volumes": volumes}
+    pod_spec: Manifest = {
+        "enableServiceLinks": False,
+        # SGLang finishes its running requests on SIGTERM; long generations need more than 30 s.
+        "terminationGracePeriodSeconds": engines.termination_grace_period_s,
+        "containers": [container],
+        "volumes": volumes,
+    }
     _place(pod_spec, engines.node_selector, engines.tolerations)
     # GPUs are usually all taken: a surge pod would stay Pending, so replace in place.
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     return _deployment(fleet, engine_name(fleet), "engine", engines.replicas, pod_spec, strategy)
+
+
+def engine_env(fleet: Fleet) -> list[Manifest]:
+    env = [copy.deepcopy(POD_IP_ENV), _env(HEALTH_GENERATION_ENV, "0")]
+    if fleet.proxy.engine_logprobs == "original":  # the engines and the proxies' records agree
+        env.append(_env(ORIGINAL_LOGPROB_ENV, "1"))
+    return env
+
+
+def engine_service(fleet: Fleet) -> Manifest:
+    """Headless: DNS for every engine pod, so a trainer can reach each one (pause, weight updates;
+    the router has no such routes)."""
+    engines = fleet.engines
+    if engines is None:
+        raise ValueError(f"fleet {fleet.name} uses external engines")
+    port = {"name": "http", "port": engines.port, "targetPort": "http", "protocol": "TCP"}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(fleet, engine_service_name(fleet), "engine"),
+        "spec": {"clusterIP": "None", "selector": labels(fleet, "engine"), "ports": [port]},
+    }
 
 
 def _place(pod_spec: Manifest, node_selector: dict[str, str], tolerations: Sequence[dict[str, Any]]) -> None:
@@ -505,7 +554,7 @@ def unwanted_children(fleet: Fleet) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of children this fleet may have created earlier but no longer wants:
     the engine Deployment once the spec switched to external engines (it would hold its GPUs)."""
     if fleet.engines is None:
-        return [("apps/v1", "Deployment", engine_name(fleet))]
+        return [("apps/v1", "Deployment", engine_name(fleet)), ("v1", "Service", engine_service_name(fleet))]
     return []
 
 
@@ -521,5 +570,5 @@ def desired_children(fleet: Fleet) -> list[Manifest]:
         gateway_deployment(fleet),
     ]
     if fleet.engines is not None:
-        children.append(engine_deployment(fleet))
+        children += [engine_service(fleet), engine_deployment(fleet)]
     return children

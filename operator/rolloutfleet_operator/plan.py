@@ -31,7 +31,7 @@ is not Ready or terminating.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,17 @@ def pod_event_needs_pass(event_type: str | None, pod: Mapping[str, Any], was_rea
 def is_ready(pod: Mapping[str, Any]) -> bool:
     conditions = (pod.get("status") or {}).get("conditions") or ()
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def ready_pod_urls(pods: Iterable[Mapping[str, Any]], port: int) -> list[str]:
+    """`http://<podIP>:<port>` of the Ready pods that are not being deleted, sorted by pod name (the
+    engines a trainer pauses and updates directly)."""
+    urls = []
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        ip = (pod.get("status") or {}).get("podIP")
+        if ip and is_ready(pod) and not (pod.get("metadata") or {}).get("deletionTimestamp"):
+            urls.append(f"http://{ip}:{port}")
+    return urls
 
 
 def proxy_pod_view(pod: Mapping[str, Any], ordinal: int, container: str = "proxy") -> ProxyPodView:

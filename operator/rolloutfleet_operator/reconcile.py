@@ -22,7 +22,7 @@ from .conditions import ObservedState, fleet_status
 from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal, selector_string
 from .kubeapi import KubeApi, fleet_path, resource_path
 from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash, unwanted_children
-from .plan import plan_proxies, proxy_pod_view
+from .plan import plan_proxies, proxy_pod_view, ready_pod_urls
 
 log = logging.getLogger("rolloutfleet.operator")
 
@@ -151,10 +151,15 @@ class Reconciler:
             self.api.get, resource_path("apps/v1", "Deployment", fleet.namespace, gateway_name(fleet))
         )
         engines = None
+        engine_endpoints = fleet.external_engine_urls
         if fleet.engines is not None:
             engines = await self._call(
                 self.api.get, resource_path("apps/v1", "Deployment", fleet.namespace, engine_name(fleet))
             )
+            engine_pods = await self._call(
+                self.api.list, "v1", "Pod", fleet.namespace, selector_string(fleet, "engine")
+            )
+            engine_endpoints = tuple(ready_pod_urls(engine_pods or [], fleet.engines.port))
         return ObservedState(
             desired_proxies=fleet.proxy.replicas,
             proxies=tuple(views),
@@ -164,6 +169,7 @@ class Reconciler:
             engines_ready=None if fleet.engines is None else _ready(engines),
             engines_desired=None if fleet.engines is None else fleet.engines.replicas,
             create_failures=tuple(failures),
+            engine_endpoints=tuple(engine_endpoints),
         )
 
 
