@@ -9,7 +9,6 @@ upstream that answers exactly like that (a scripted stand-in: it aborts when tol
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import threading
 import time
@@ -31,6 +30,7 @@ from rolloutfleet_proxy.session import Session, token_versions
 from rolloutfleet_proxy.upstream import Generation
 from rolloutfleet_testkit.asgi import lifespan, read_body, send_json
 from rolloutfleet_testkit.processes import serve_app
+from rolloutfleet_testkit.routed_engines import routed_emulators
 
 
 def generation(ids, finish="length", version="7", stop=None, text=None) -> Generation:
@@ -299,33 +299,6 @@ def test_a_version_1_batch_still_decodes():
 # --- the real sglang-router over two SGLang emulators, a weight update in the middle of a rollout -----
 
 
-@contextlib.contextmanager
-def routed_emulators(test_tokenizer_dir, tmp_path, count: int = 2):
-    """`count` SGLang emulators (test stand-ins for GPU engines; 20 ms per decode step, so generations
-    are in flight when the trainer pauses them) behind the real sglang-router with the manual policy."""
-    from rolloutfleet_testkit.processes import ServerProcess, free_port, python_module, wait_until_routed
-    from rolloutfleet_testkit.sglang_emulator.server import create_app as create_emulator
-
-    with contextlib.ExitStack() as stack:
-        engines = [
-            stack.enter_context(
-                serve_app(create_emulator(str(test_tokenizer_dir), seed=0, token_delay_s=0.02))
-            )
-            for _ in range(count)
-        ]
-        port, metrics = free_port(), free_port()
-        args = python_module(
-            "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *engines, "--policy", "manual", "--log-level", "warn",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
-        )  # fmt: skip
-        router = stack.enter_context(ServerProcess(args, tmp_path / "router.log"))
-        url = f"http://127.0.0.1:{port}"
-        router.wait_ready(f"{url}/health", 60)
-        wait_until_routed(url)
-        yield url, engines
-
-
 def _play(proxy, sessions: list[tuple[str, str]], turns: int, errors: list) -> None:
     def one(sid: str, key: str) -> None:
         messages: list[dict] = []
@@ -364,7 +337,8 @@ def test_a_weight_update_mid_rollout_loses_no_token_and_records_versions(mode, t
     }
     weights = write_weights(tmp_path / "v1", seed=7)
     with (
-        routed_emulators(test_tokenizer_dir, tmp_path) as (router_url, engines),
+        # 20 ms per decode step: generations are in flight when the trainer pauses the engines.
+        routed_emulators(test_tokenizer_dir, tmp_path, token_delay_s=0.02) as (router_url, engines),
         running_proxy(router_url, test_tokenizer_dir, None) as proxy,
     ):
         sessions = [proxy.create_session() for _ in range(6)]
