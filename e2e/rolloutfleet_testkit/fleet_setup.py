@@ -39,8 +39,10 @@ def local_fleet(
     proxies: int | None = None,
     engines: int | None = None,
     memory: dict[str, Any] | None = None,
+    engine_token_delay_s: float | None = None,
 ) -> dict[str, Any]:
-    """The GPU sample, adapted to the local cluster (pure apart from reading the sample file)."""
+    """The GPU sample, adapted to the local cluster (pure apart from reading the sample file).
+    `engine_token_delay_s` slows the emulated engines' decode steps (generations stay in flight)."""
     fleet = yaml.safe_load(GPU_SAMPLE.read_text())
     fleet["metadata"] = {"name": name, "namespace": namespace}
     proxy, engine = fleet["spec"]["proxy"], fleet["spec"]["engines"]
@@ -59,6 +61,8 @@ def local_fleet(
     engine["modelPath"] = "/models"
     engine["volumes"] = [{"name": "model", "hostPath": {"path": str(tokenizer_dir), "type": "Directory"}}]
     engine["volumeMounts"] = [{"name": "model", "mountPath": "/models", "readOnly": True}]
+    if engine_token_delay_s is not None:
+        engine["args"] = [*engine.get("args", []), "--token-delay-s", str(engine_token_delay_s)]
     return fleet
 
 

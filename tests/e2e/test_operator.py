@@ -160,8 +160,9 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
 ):
     namespace = operator.namespace
     fleet = fleet_setup.local_fleet(
-        "gpu", namespace, test_tokenizer_dir, tmp_path / "dumps", proxies=2, engines=1
-    )
+        "gpu", namespace, test_tokenizer_dir, tmp_path / "dumps", proxies=2, engines=1,
+        engine_token_delay_s=0.02,  # generations stay in flight while the trainer updates weights
+    )  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
     status = wait_for(
         lambda: fleet_ready(cluster, namespace, "gpu", 2),
@@ -187,6 +188,10 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
     trajectory = summary["trajectory"]
     assert summary["num_turns"] == len(QUESTIONS[0]) and sum(trajectory["loss_mask"]) > 0
     assert len(trajectory["logprobs"]) == len(trajectory["input_ids"]) == summary["num_tokens"]
+
+    # The trainer updates the engine's weights in the middle of a rollout, through the endpoints the
+    # fleet publishes: once in abort mode (cut generations are continued, tokens kept), once in place.
+    update_weights_mid_rollout(cluster, namespace, status, urls, key, engine, tmp_path)
 
     # The settings the operator injected are the ones the proxy runs with.
     pod = get(cluster, namespace, "pod", "gpu-proxy-1")
@@ -331,3 +336,53 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster, ope
             interval_s=1,
         )
         cluster.kubectl("scale", "deployment", operator.deployment, "-n", namespace, "--replicas=1")
+
+
+def update_weights_mid_rollout(cluster, namespace, status, urls, key, engine, tmp_path) -> None:
+    from rolloutfleet_proxy.trainer_client import TrainerClient
+    from rolloutfleet_testkit.sglang_emulator.server import write_weights
+
+    engine_url = f"http://{engine['status']['podIP']}:30000"
+    assert status["engineEndpoints"] == [engine_url]
+    env = {e["name"]: e.get("value") for e in engine["spec"]["containers"][0]["env"]}
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"  # probes hold through updates
+    errors: list[str] = []
+    sessions = [(url, *create_session(url, key)) for url in urls.values() for _ in range(3)]
+
+    def play(url: str, sid: str, session_key: str) -> None:
+        messages: list[dict] = []
+        for turn in range(3):
+            messages.append({"role": "user", "content": f"turn {turn}: tell me more"})
+            try:
+                messages.append({"role": "assistant", "content": one_turn(url, sid, session_key, messages)})
+            except Exception as exc:  # recorded, asserted below
+                errors.append(f"{sid}: {exc}")
+                return
+
+    threads = [threading.Thread(target=play, args=session) for session in sessions]
+    for thread in threads:
+        thread.start()
+    with TrainerClient(list(urls.values()), key, engine_urls=status["engineEndpoints"]) as trainer:
+        for version, mode in ((1, "abort"), (2, "in_place")):
+            weights = write_weights(tmp_path / f"weights-v{version}", seed=100 + version)
+            wait_for(
+                lambda: sum(httpx.get(f"{u}/stats").json()["inflight_turns"] for u in urls.values()) >= 2,
+                timeout_s=30,
+                what="turns generating",
+                interval_s=0.05,
+            )
+            trainer.update_weights(version, model_path=str(weights), mode=mode)
+    for thread in threads:
+        thread.join(120)
+    assert not errors, errors
+    discarded = sum(
+        httpx.get(f"{u}/stats").json()["totals"]["generated_tokens_discarded"] for u in urls.values()
+    )
+    assert discarded == 0
+    for url, sid, session_key in sessions:
+        trajectory = session_tokens(url, sid, session_key)["trajectory"]
+        assert len(trajectory["turns"]) == 3, "every turn recorded once"
+        for _, output_start, end in trajectory["turns"]:
+            versions = trajectory["versions"][output_start:end]
+            assert versions == sorted(versions) and set(versions) <= {0, 1, 2}, versions
+    assert httpx.get(f"{engine_url}/get_weight_version").json() == {"weight_version": "2"}

@@ -53,6 +53,11 @@ ENGINE_FLAGS = {
     "--log-level": "--log-level",
     "--served-model-name": "--model-name",
     "--random-seed": "--seed",
+    "--context-length": "--context-length",
+    "--weight-version": "--weight-version",
+    # The emulator's own (SGLang has no such flag): time per decode step, for tests that need
+    # generations in flight.
+    "--token-delay-s": "--token-delay-s",
 }
 
 
