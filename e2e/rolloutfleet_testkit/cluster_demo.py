@@ -3,7 +3,7 @@
 Brings up the local control plane (building its binaries on first run, with progress) and the
 process kubelet (a test harness running pods as local processes on a CPU node and a GPU node),
 installs the CRD and the operator's Helm chart, and applies `operator/samples/gpu.yaml` adapted to
-this machine (fleet_setup.local_fleet: the CPU reference engine, a test stand-in for SGLang, runs
+this machine (fleet_setup.local_fleet: the SGLang emulator, a test stand-in for SGLang, runs
 for the engine image). Once the fleet is Ready it sends multi-turn sessions through its proxies
 with the official openai client, prints `kubectl get`, the fleet's conditions and Events, a
 proxy's /stats and the operator's /metrics; then it deletes a proxy pod and shows the replacement

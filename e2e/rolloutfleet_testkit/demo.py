@@ -1,8 +1,8 @@
-"""`rolloutfleet-demo --local`: the proxy in front of the CPU reference engine, sessions through it, /stats.
+"""`rolloutfleet-demo --local`: the proxy in front of the SGLang emulator, sessions through it, /stats.
 
 Without --local, `rolloutfleet-demo` runs the same on the local Kubernetes cluster (cluster_demo.py).
 
-Everything runs as real local processes on 127.0.0.1: the reference engine (a test stand-in for a
+Everything runs as real local processes on 127.0.0.1: the SGLang emulator (a test stand-in for a
 GPU SGLang server), the proxy, and rollout sessions sent with the official `openai` client.
 """
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     engine_port, proxy_port = free_port(), free_port()
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
 
-    step(f"starting the CPU reference engine (test stand-in for SGLang) on {engine_url}")
+    step(f"starting the SGLang emulator (test stand-in for SGLang) on {engine_url}")
     with ServerProcess(
         python_module(
             "rolloutfleet_testkit.sglang_emulator.server",

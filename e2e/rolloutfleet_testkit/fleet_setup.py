@@ -3,7 +3,7 @@
 Shared by the main job (`./dev demo`) and the operator's e2e tests. `local_fleet` starts from
 `operator/samples/gpu.yaml` and changes only what this machine cannot provide: volumes become
 hostPaths (the locally built test tokenizer stands in for the model; the process kubelet runs the
-CPU reference engine, a test stand-in for SGLang, for the engine image), and resource requests
+SGLang emulator, a test stand-in for SGLang, for the engine image), and resource requests
 shrink to fit the process kubelet's nodes. Everything else is the sample as users apply it.
 The rest are small helpers both use: reading a fleet's status, finding its pods by label, and
 talking to a proxy the way a rollout worker does (plain HTTP, the admin key from the fleet's Secret).

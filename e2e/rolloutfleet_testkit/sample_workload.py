@@ -1,5 +1,5 @@
 """Hand-made engines and router for the router-discovery e2e test (independent of the operator):
-CPU reference engines (test stand-ins for SGLang) on the GPU node and the real SGLang router with
+SGLang emulators (test stand-ins for SGLang) on the GPU node and the real SGLang router with
 Kubernetes service discovery in front of them.
 
 Pure builders: each returns the manifests as dicts.
@@ -42,7 +42,7 @@ def router_rbac(namespace: str) -> list[dict[str, Any]]:
 
 
 def engines(namespace: str, replicas: int, tokenizer_dir: str) -> dict[str, Any]:
-    """SGLang engine Deployment on GPU nodes (the process kubelet runs the reference engine for it)."""
+    """SGLang engine Deployment on GPU nodes (the process kubelet runs the SGLang emulator for it)."""
     container = {
         "name": "engine",
         "image": "lmsysorg/sglang:latest",

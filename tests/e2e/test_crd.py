@@ -40,7 +40,7 @@ def test_samples_apply_cleanly_and_get_defaults(cluster, crd, namespace):
     ]
     assert minimal["proxy"]["replicas"] == 1 and minimal["proxy"]["port"] == 8000
     assert minimal["proxy"]["dump"]["path"] == "/var/lib/rolloutfleet/dumps"
-    assert minimal["proxy"]["memory"]["maxUnavailable"] == 1 and minimal["gateway"]["policy"] == "cache_aware"
+    assert minimal["proxy"]["memory"]["maxUnavailable"] == 1 and minimal["gateway"]["policy"] == "manual"
     listing = cluster.kubectl("get", "rolloutfleets", "-n", namespace).stdout
     assert "DESIRED" in listing and "MEMORY-RESTARTS" in listing and "gpu-fleet" in listing
 
