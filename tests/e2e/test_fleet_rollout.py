@@ -48,6 +48,12 @@ def proxy_pods(cluster) -> dict[str, dict]:
     return {p["metadata"]["name"]: p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")}
 
 
+def all_pod_names(cluster) -> set[str]:
+    """Every proxy pod the API still has, terminating ones included."""
+    pods = get(cluster, "pods", "-l", f"rolloutfleet.dev/fleet={FLEET},app.kubernetes.io/component=proxy")
+    return {p["metadata"]["name"] for p in pods["items"]}
+
+
 def fleet_ready(cluster, replicas: int = REPLICAS) -> bool:
     status = get(cluster, "rf", FLEET).get("status", {})
     conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
@@ -138,8 +144,12 @@ def test_sessions_ride_through_proxy_replacement_and_lost_ones_are_named(
         # dumps are removed while it is gone, so its successor has nothing to restore.
         cluster.kubectl("scale", "rf", FLEET, "-n", NAMESPACE, "--replicas=2")
         live = dumps / f"{FLEET}-proxy-2" / "live"
-        wait_for(lambda: f"{FLEET}-proxy-2" not in proxy_pods(cluster), timeout_s=60, what="proxy-2 gone")
+        # Gone from the API, not only terminating: its drain has finished writing (a listing taken
+        # while it drains holds write_atomic's temporary files).
+        wait_for(lambda: f"{FLEET}-proxy-2" not in all_pod_names(cluster), timeout_s=90, what="proxy-2 gone")
         wait_for(lambda: live.is_dir() and any(live.iterdir()), timeout_s=30, what="proxy-2's dumps")
+        writing = [path.name for path in live.iterdir() if path.name.startswith(".")]
+        assert not writing, f"a drain still writing: {writing}"
         removed = sorted(path.name.split(".")[0] for path in live.iterdir())
         for path in list(live.iterdir()):
             path.unlink()
