@@ -189,10 +189,12 @@ def test_drain_writes_unacknowledged_batches_and_successor_restores_them(
         stats = second.stats()
         assert stats["export_batches"] == 1 and stats["export_bytes"] == len(created.content)
         assert stats["totals"]["batches_restored"] == 1 and stats["ready_trajectories"] == 1
-        assert not list((dumps / LIVE_EXPORTS_AREA).iterdir())
+        # Kept until acknowledged: a kill of this second process must not lose the batch either.
+        assert [p.name for p in (dumps / LIVE_EXPORTS_AREA).iterdir()] == [f"{batch_id}.safetensors"]
         fetched = httpx.get(f"{second.url}/v1/exports/{batch_id}", headers=ADMIN)
         assert fetched.status_code == 200 and fetched.content == created.content
         assert ack(second, batch_id).status_code == 200
+        assert not list((dumps / LIVE_EXPORTS_AREA).iterdir())
         assert export(second, max_trajectories=5).headers["x-rolloutfleet-trajectories"] == "1"
 
 

@@ -107,7 +107,8 @@ async def test_sigterm_drains_dumps_and_successor_continues(engine_url, test_tok
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             stats = (await client.get("/stats")).json()
             assert stats["live_sessions"] == 4 and stats["totals"]["sessions_restored"] == 4
-            assert list((dumps / LIVE_AREA).glob("*.safetensors")) == []
+            # Kept until a compaction or drain has made them durable again: a second kill loses nothing.
+            assert len(list((dumps / LIVE_AREA).glob("*.safetensors"))) == 4
             for sid, (key, messages) in conversations.items():
                 restored = (
                     await client.get(

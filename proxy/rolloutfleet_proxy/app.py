@@ -15,7 +15,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from .admission import CONCURRENCY_RETRY_AFTER_S, STALENESS_RETRY_AFTER_S, limiting_bound
-from .errors import ProxyError, bad_request, error_response, unauthorized, unavailable
+from .errors import (
+    REQUEST_BUDGET,
+    STORAGE_UNAVAILABLE,
+    ProxyError,
+    bad_request,
+    error_response,
+    unauthorized,
+    unavailable,
+)
 from .ids import (
     SESSION_ID_RULE,
     is_valid_session_id,
@@ -24,7 +32,7 @@ from .ids import (
     new_session_id,
     new_session_key,
 )
-from .middleware import BodyTooLarge, RequestMiddleware
+from .middleware import BUDGET_RETRY_AFTER_S, BodyTooLarge, BudgetExhausted, RequestBudget, RequestMiddleware
 from .openai_format import (
     Completion,
     completion_body,
@@ -105,6 +113,10 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
     async def _too_large(_request: Request, _exc: BodyTooLarge) -> Response:
         return error_response(413, "body_too_large", f"request body exceeds {settings.max_body_bytes} bytes")
 
+    @app.exception_handler(BudgetExhausted)
+    async def _over_budget(_request: Request, exc: BudgetExhausted) -> Response:
+        return error_response(503, REQUEST_BUDGET, str(exc), {"Retry-After": str(BUDGET_RETRY_AFTER_S)})
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
@@ -160,9 +172,16 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             raise unavailable(
                 "memory_pressure", "this proxy is near its memory budget; start the session on another one", 5
             )
+        runtime.log.require_writable("the session was not created")
         refuse_over_capacity()
         key = new_session_key()
-        runtime.store.add(Session(session_id, key_digest(key), metadata))
+        session = Session(session_id, key_digest(key), metadata)
+        runtime.store.add(session)
+        try:
+            await runtime.log.commit(runtime.log.created(session))
+        except ProxyError:
+            runtime.store.discard_new(session)  # nobody has its key: as if it never was
+            raise
         runtime.counters.sessions_created += 1
         runtime.admission.enqueued += 1
         path = f"/v1/sessions/{session_id}"
@@ -205,6 +224,16 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             session.in_flight.cancel()
         runtime.counters.sessions_deleted += 1
         runtime.counters.sessions_evicted += 1
+        try:
+            await runtime.log.commit(runtime.log.ended(session, "deleted by the client"))
+        except ProxyError as exc:
+            raise ProxyError(
+                exc.status,
+                exc.code,
+                f"session {session_id} is deleted here, but the deletion could not be made durable: it may "
+                f"come back after a restart of this proxy ({exc.message})",
+                exc.headers,
+            ) from None
         return Response(status_code=204)
 
     @app.post("/v1/sessions/{session_id}/reward")
@@ -223,6 +252,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         ):
             raise bad_request("invalid_turn", f"turn must be an integer in [0, {session.num_turns})")
         session.set_reward(float(value), turn)
+        await runtime.log.commit(runtime.log.rewarded(session, float(value), turn))
         return json_response(session.summary())
 
     @app.post("/v1/sessions/{session_id}/finish")
@@ -232,6 +262,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             raise ProxyError(409, "session_busy", f"session {session_id} has a turn in flight")
         if runtime.store.mark_finished(session):
             runtime.counters.sessions_finished += 1
+            await runtime.log.commit(runtime.log.finished(session))
         return json_response(session.summary())
 
     # The hot path is a plain Starlette route: FastAPI's dependency solving costs every turn CPU.
@@ -295,6 +326,12 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             return error_response(503, "draining", "the proxy is draining for shutdown")
         if not runtime.started:
             return error_response(503, "starting", "the proxy is starting")
+        if not runtime.storage.ok:
+            return error_response(
+                503,
+                STORAGE_UNAVAILABLE,
+                f"the proxy cannot write to its dump volume: {runtime.storage.reason}",
+            )
         return json_response({"status": "ready"})
 
     app.add_middleware(
@@ -302,5 +339,6 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         counters=runtime.counters,
         max_body_bytes=settings.max_body_bytes,
         log_requests=settings.log_requests,
+        budget=RequestBudget(settings.max_request_bytes_in_flight, runtime.gauges),
     )
     return app

@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .dumps import STALE_AREA, write_session_dump
+from .errors import ProxyError
 from .heap import HeapTrimmer
 from .session import Session
+from .session_log import SessionLog
 from .stats import Counters, Gauges
 from .store import SessionStore
 
@@ -37,7 +39,10 @@ class SessionWriter:
         self._concurrency = concurrency
         self._counters = counters
 
-    async def write(self, sessions: list[Session], area: str, reason: str) -> WriteOutcome:
+    async def write(
+        self, sessions: list[Session], area: str, reason: str, copy: bool = False
+    ) -> WriteOutcome:
+        """`copy`: snapshot sessions that stay live (compaction): a copy made on the loop, no lock."""
         if self.dump_dir is None:
             return WriteOutcome(written=[], failed=list(sessions))
         outcome = WriteOutcome(written=[], failed=[])
@@ -47,15 +52,18 @@ class SessionWriter:
 
         async def worker() -> None:
             for session in pending:
-                ok = await self._write_one(session, area, reason)
+                ok = await self._write_one(session, area, reason, copy)
                 (outcome.written if ok else outcome.failed).append(session)
 
         await asyncio.gather(*(worker() for _ in range(min(self._concurrency, len(sessions)))))
         return outcome
 
-    async def _write_one(self, session: Session, area: str, reason: str) -> bool:
-        async with session.lock:  # a detached session has no turn, but never snapshot mid-mutation
-            record = session.to_record()
+    async def _write_one(self, session: Session, area: str, reason: str, copy: bool) -> bool:
+        if copy:
+            record = session.copied_record()
+        else:
+            async with session.lock:  # a detached session has no turn, but never snapshot mid-mutation
+                record = session.to_record()
         try:
             await asyncio.to_thread(write_session_dump, self.dump_dir, area, record, reason)
         except Exception as exc:  # any failure keeps the session; it is retried
@@ -78,7 +86,9 @@ class StaleSessionCleaner:
         timeout_s: float,
         interval_s: float,
         drop_without_dump: bool,
+        session_log: SessionLog | None = None,
     ):
+        self._log = session_log
         self._store = store
         self._writer = writer
         self._trimmer = trimmer
@@ -88,6 +98,24 @@ class StaleSessionCleaner:
         self.interval_s = interval_s
         self._drop_without_dump = drop_without_dump
         self._departed_at_last_trim = 0
+
+    def _journal_end(self, session: Session, reason: str):
+        if self._log is None:
+            return None
+        try:
+            return self._log.ended(session, reason)
+        except ProxyError:
+            return None  # storage unavailable: the session may come back after a restart (not lost)
+
+    async def _commit_ends(self, pending: list) -> None:
+        if self._log is None:
+            return
+        for item in pending:
+            try:
+                await self._log.commit(item)
+            except ProxyError as exc:
+                log.error("departures of stale sessions not journaled (%s); they may be restored again", exc)
+                return
 
     async def run_once(self) -> int:
         """Dump and evict every stale session; returns how many left memory."""
@@ -103,13 +131,17 @@ class StaleSessionCleaner:
                 evicted = len(stale)
             else:
                 outcome = await self._writer.write(stale, STALE_AREA, "stale")
+                reason = "idle past the stale-session timeout; dumped to disk"
+                pending = []
                 async with self._store.lock:
                     for i, session in enumerate(outcome.written, 1):
-                        self._store.forget(session, "idle past the stale-session timeout; dumped to disk")
+                        self._store.forget(session, reason)
+                        pending.append(self._journal_end(session, reason))
                         if i % YIELD_EVERY == 0:
                             await asyncio.sleep(0)  # let requests in between batches
                     for session in outcome.failed:
                         self._store.reattach(session)
+                await self._commit_ends(pending)
                 self._counters.sessions_dumped += len(outcome.written)
                 self._counters.sessions_evicted += len(outcome.written)
                 evicted = len(outcome.written)

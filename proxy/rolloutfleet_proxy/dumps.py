@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+import zlib
 from array import array
 from pathlib import Path
 
@@ -41,7 +42,8 @@ from .session import (
 )
 
 FORMAT = "rolloutfleet.session"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: CRC-32 of every tensor in the header (`checksums`); 1 is still read
+READABLE_VERSIONS = (1, 2)
 LIVE_AREA = "live"
 STALE_AREA = "stale"
 LIVE_EXPORTS_AREA = "live-exports"
@@ -58,17 +60,25 @@ def area_dir(dump_dir: Path, area: str) -> Path:
     return dump_dir / area
 
 
+def probe_writable(dump_dir: Path) -> None:
+    """Create the dump areas and write, sync and remove a small file (blocking); raises OSError when
+    the volume cannot take writes (read-only, full, gone)."""
+    for area in (LIVE_AREA, STALE_AREA, CORRUPT_AREA):
+        area_dir(dump_dir, area).mkdir(parents=True, exist_ok=True)
+    probe = area_dir(dump_dir, LIVE_AREA) / f".write-probe-{os.getpid()}"
+    try:
+        write_atomic(probe, b"probe" * 200)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
 def check_writable(dump_dir: Path) -> None:
-    """Create the dump areas and write, sync and remove a probe file, or raise: a proxy that cannot
-    write its dumps must not start (it would serve, then lose every session at its first dump). A
-    common cause: a hostPath directory created by the kubelet as root, the proxy running as non-root.
+    """Probe the dump directory, or raise: a proxy that cannot write its dumps must not start (it
+    would serve, then lose every session at its first dump). A common cause: a hostPath directory
+    created by the kubelet as root, the proxy running as non-root.
     """
     try:
-        for area in (LIVE_AREA, STALE_AREA, CORRUPT_AREA):
-            area_dir(dump_dir, area).mkdir(parents=True, exist_ok=True)
-        probe = area_dir(dump_dir, LIVE_AREA) / f".write-probe-{os.getpid()}"
-        write_atomic(probe, b"probe")
-        probe.unlink()
+        probe_writable(dump_dir)
     except OSError as exc:
         raise RuntimeError(
             f"the dump directory {dump_dir} is not writable ({exc}); sessions could not be saved, so the "
@@ -118,6 +128,7 @@ def encode_record(record: SessionRecord, reason: str) -> bytes:
         "reward": record.reward,
         "turn_rewards": {str(k): v for k, v in record.turn_rewards.items()},
         "finished": record.finished,
+        "checksums": {name: zlib.crc32(t.tobytes()) for name, t in tensors.items()},
     }
     return safetensors_save(tensors, metadata={FORMAT: orjson.dumps(header).decode()})
 
@@ -179,12 +190,13 @@ def load_session_file(path: str | os.PathLike) -> SessionRecord:
 
 
 def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.ndarray]) -> SessionRecord:
-    if header.get("format") != FORMAT or header.get("format_version") != FORMAT_VERSION:
+    if header.get("format") != FORMAT or header.get("format_version") not in READABLE_VERSIONS:
         raise DumpFormatError(
             f"{path}: unsupported format {header.get('format')} v{header.get('format_version')}"
         )
     if not isinstance(header.get("session_id"), str) or not is_valid_session_id(header["session_id"]):
         raise DumpFormatError(f"{path}: invalid session id {header.get('session_id')!r}")
+    _verify_checksums(path, header, tensors)
     token_ids = array("i", tensors["input_ids"].astype(np.int32, copy=False).tobytes())
     loss_mask = array("B", tensors["loss_mask"].astype(np.uint8, copy=False).tobytes())
     logprobs = array("f", tensors["logprobs"].astype(np.float32, copy=False).tobytes())
@@ -213,6 +225,9 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
         raise DumpFormatError(f"{path}: input_ids, loss_mask and logprobs differ in length")
     if len(turn_bounds) % TURN_BOUND_FIELDS or any(b < 0 or b > len(token_ids) for b in turn_bounds):
         raise DumpFormatError(f"{path}: turn_bounds do not fit input_ids")
+    if any(b > a for a, b in zip(turn_bounds[1:], turn_bounds, strict=False)):
+        raise DumpFormatError(f"{path}: turn_bounds are not in order")
+    _verify_values(path, tensors)
     return SessionRecord(
         session_id=header["session_id"],
         key_digest=bytes.fromhex(header["key_sha256"]),
@@ -236,6 +251,28 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
     )
 
 
+def _verify_checksums(path: str | os.PathLike, header: dict, tensors: dict[str, np.ndarray]) -> None:
+    checksums = header.get("checksums")
+    if header["format_version"] < 2:
+        return  # written before checksums
+    if not isinstance(checksums, dict) or set(checksums) != set(tensors):
+        raise DumpFormatError(f"{path}: checksums do not name exactly the tensors in the file")
+    for name, tensor in tensors.items():
+        if zlib.crc32(np.ascontiguousarray(tensor).tobytes()) != checksums[name]:
+            raise DumpFormatError(f"{path}: tensor {name} fails its checksum")
+
+
+def _verify_values(path: str | os.PathLike, tensors: dict[str, np.ndarray]) -> None:
+    """Values a proxy never writes: a file holding them was altered, whatever its checksums say."""
+    if tensors["input_ids"].size and int(tensors["input_ids"].min()) < 0:
+        raise DumpFormatError(f"{path}: negative token ids")
+    if tensors["loss_mask"].size and int(tensors["loss_mask"].max()) > 1:
+        raise DumpFormatError(f"{path}: loss_mask values other than 0 and 1")
+    logprobs = tensors["logprobs"]
+    if logprobs.size and not bool(np.isfinite(logprobs).all()):
+        raise DumpFormatError(f"{path}: logprobs that are not finite numbers")
+
+
 def _tensor_array(
     tensors: dict[str, np.ndarray], name: str, typecode: str, dtype: type, default: list
 ) -> array:
@@ -250,6 +287,16 @@ def list_live_dumps(dump_dir: Path, area: str = LIVE_AREA) -> list[Path]:
     if not directory.is_dir():
         return []
     return sorted(p for p in directory.iterdir() if p.name.endswith(SUFFIX) and not p.name.startswith("."))
+
+
+def remove_other_dumps(dump_dir: Path, area: str, keep: set[str]) -> int:
+    """Delete the area's files of sessions not in `keep` (blocking); returns how many."""
+    removed = 0
+    for path in list_live_dumps(dump_dir, area):
+        if path.name[: -len(SUFFIX)] not in keep:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 def quarantine(path: Path, dump_dir: Path) -> Path:

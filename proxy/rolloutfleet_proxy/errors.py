@@ -5,6 +5,11 @@ from __future__ import annotations
 import orjson
 from starlette.responses import Response
 
+# Codes clients act on (the client package imports these rather than repeating the strings).
+STORAGE_UNAVAILABLE = "storage_unavailable"  # 503: the proxy cannot persist; nothing was recorded
+SESSION_LOST = "session_lost"  # 410: the session was journaled but could not be recovered after a restart
+REQUEST_BUDGET = "request_budget_exhausted"  # 503: too many request bytes in flight; retry after
+
 
 class ProxyError(Exception):
     """An error that maps to one HTTP response; raising it never changes session state."""

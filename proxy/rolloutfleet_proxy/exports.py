@@ -3,9 +3,13 @@
 An export moves finished sessions out of the store into one batch in the export buffer, in the same
 order as any other departure: detach under the store lock, serialize in a worker thread, then forget
 them (or put them back if serializing failed). The batch is held until the trainer acknowledges it.
-A batch never acknowledged within the TTL is written to `exported/` and freed; at shutdown every
-held batch is written to `live-exports/`, and the next process restores it. Nothing is freed
-before it is written somewhere, unless dropping was chosen and there is no dump directory.
+With a dump directory, a batch is written to `live-exports/` (and its sessions' departure journaled)
+before the trainer gets it, so a killed proxy's successor still holds every unacknowledged batch;
+the acknowledgement deletes the file. A batch never acknowledged within the TTL is moved to
+`exported/` and freed. The restore leaves the files in place. Nothing is freed before it is written
+somewhere, unless dropping was chosen and there is no dump directory. A kill between writing a
+batch and journaling its sessions' departure brings those sessions back as well: delivered twice,
+never lost (the trainer's ack decides).
 """
 
 from __future__ import annotations
@@ -15,11 +19,20 @@ import logging
 import time
 from pathlib import Path
 
-from .dumps import EXPORTED_AREA, LIVE_EXPORTS_AREA, list_live_dumps, quarantine, write_batch_dump
+from .dumps import (
+    EXPORTED_AREA,
+    LIVE_EXPORTS_AREA,
+    dump_file_path,
+    list_live_dumps,
+    quarantine,
+    write_batch_dump,
+)
+from .errors import ProxyError
 from .export_buffer import ExportBatch, ExportBuffer, new_batch
 from .export_format import decode_batch, encode_batch
 from .generation import GenerationControl
 from .ids import new_batch_id
+from .session_log import SessionLog
 from .stats import Counters
 from .store import SessionStore
 
@@ -38,7 +51,9 @@ class ExportService:
         dump_dir: Path | None,
         ttl_s: float,
         drop_without_dump: bool,
+        session_log: SessionLog | None = None,
     ):
+        self._log = session_log or SessionLog(None, None)  # type: ignore[arg-type]
         self._store = store
         self.buffer = buffer
         self._generation = generation
@@ -81,8 +96,11 @@ class ExportService:
                 for session in sessions:
                     self._store.reattach(session)
                 raise
+            if self._log.enabled:
+                await self._persist(batch_id, data, sessions)
+            reason = f"exported to the trainer in batch {batch_id}"
             for session in sessions:
-                self._store.forget(session, f"exported to the trainer in batch {batch_id}")
+                self._store.forget(session, reason)
             batch = new_batch(
                 batch_id,
                 data,
@@ -98,6 +116,53 @@ class ExportService:
             self._building -= 1
             if self._building == 0:
                 self._none_building.set()
+
+    async def _persist(self, batch_id: str, data: bytes, sessions: list) -> None:
+        """The batch file first, then the sessions' departure: if either fails, the sessions go back
+        and the trainer gets 503 (nothing was handed over)."""
+        assert self._dump_dir is not None
+        try:
+            self._log.require_writable("nothing was exported")
+            await asyncio.to_thread(write_batch_dump, self._dump_dir, LIVE_EXPORTS_AREA, batch_id, data)
+        except (OSError, ProxyError) as exc:
+            for session in sessions:
+                self._store.reattach(session)
+            if isinstance(exc, ProxyError):
+                raise
+            self._counters.dump_failures += 1
+            self._log.health.fail(f"writing export batch {batch_id} failed: {exc}")
+            raise self._log.health.refuse("nothing was exported") from None
+        reason = f"exported to the trainer in batch {batch_id}"
+        try:
+            pending = [self._log.ended(s, reason) for s in sessions]
+            for item in pending:
+                await self._log.commit(item)
+        except ProxyError:
+            # Not journaled: the sessions stay, and the batch file must not outlive this refusal.
+            for session in sessions:
+                self._store.reattach(session)
+            await asyncio.to_thread(self._remove_file, batch_id)
+            raise
+
+    def _remove_file(self, batch_id: str) -> None:
+        """Blocking: delete a batch's `live-exports/` file (acknowledged, expired or not handed over)."""
+        if self._dump_dir is not None:
+            dump_file_path(self._dump_dir, LIVE_EXPORTS_AREA, batch_id).unlink(missing_ok=True)
+
+    async def acknowledge(self, batch_id: str) -> ExportBatch:
+        """The trainer has the batch: delete its file, then free it. A file that cannot be deleted
+        only means the batch may be offered again after a restart."""
+        batch = self.buffer.get(batch_id)
+        try:
+            await asyncio.to_thread(self._remove_file, batch_id)
+        except OSError as exc:
+            self._counters.dump_failures += 1
+            log.error("cannot delete the file of acknowledged batch %s: %s", batch_id, exc)
+        if batch_id in self.buffer:
+            batch = self.buffer.acknowledge(batch_id)
+        else:
+            self.buffer.get(batch_id)  # acknowledged meanwhile: the 410 of a second acknowledgement
+        return batch
 
     async def sweep(self) -> int:
         """Write every batch past its TTL to `exported/` and free it; returns how many were freed.
@@ -129,6 +194,10 @@ class ExportService:
             if batch.acknowledged:  # acknowledged during the write: the trainer has it, no copy on disk
                 await asyncio.to_thread(path.unlink, missing_ok=True)
                 continue
+            try:
+                await asyncio.to_thread(self._remove_file, batch.batch_id)
+            except OSError as exc:
+                log.error("cannot delete live-exports file of expired batch %s: %s", batch.batch_id, exc)
             self.buffer.release(
                 batch,
                 "batch_expired",
@@ -156,6 +225,11 @@ class ExportService:
                 self.buffer.release(batch, "draining", "dropped at shutdown (no dump directory)")
             self._counters.batches_dropped += len(pending)
             return True
+        if self._log.enabled:  # written when exported; the files are the next process's copy
+            for batch in pending:
+                self.buffer.release(batch, "draining", "written for the next process", remember=False)
+                self._counters.batches_drained += 1
+            return True
         for attempt in range(DRAIN_WRITE_ATTEMPTS):
             failed = []
             for batch in pending:
@@ -182,7 +256,8 @@ class ExportService:
         return False
 
     async def restore(self) -> int:
-        """Bring back the batches a predecessor drained, with a fresh TTL; the files are then deleted."""
+        """Bring back the batches a predecessor held, with a fresh TTL. With a journal the files stay
+        until acknowledged (a second kill loses nothing); without one they are deleted."""
         if self._dump_dir is None:
             return 0
         restored = 0
@@ -211,7 +286,8 @@ class ExportService:
             )
             del decoded
             self.buffer.add(batch)
-            await asyncio.to_thread(path.unlink)
+            if not self._log.enabled:  # without a journal nothing else keeps it
+                await asyncio.to_thread(path.unlink)
             self._counters.batches_restored += 1
             restored += 1
         return restored

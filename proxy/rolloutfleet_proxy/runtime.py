@@ -19,25 +19,29 @@ from .admission import (
 )
 from .chat_tokens import TurnTokenizer
 from .cleanup import SessionWriter, StaleSessionCleaner
-from .dumps import LIVE_AREA, check_writable, list_live_dumps, load_session_file, quarantine
-from .errors import ProxyError
+from .compaction import Compactor
+from .dumps import LIVE_AREA, check_writable, probe_writable, quarantine, remove_other_dumps
 from .export_buffer import ExportBuffer
 from .exports import ExportService
 from .generation import GenerationControl
 from .heap import HeapTrimmer
+from .journal import Journal, StorageHealth, journal_dir
 from .looplag import LoopLagMonitor
+from .recovery import recover
 from .replies import ReplyBuilder
 from .session import Session
+from .session_log import SessionLog
 from .settings import ProxySettings
 from .state_file import ProxyState, StateFormatError, StateKeeper, read_state, state_path
 from .stats import AdmissionCounters, Counters, Gauges, build_stats
 from .store import SessionStore
-from .turns import TurnService
+from .turns import TurnLimits, TurnService
 from .upstream import SGLangClient
 
 log = logging.getLogger("rolloutfleet.proxy")
 
 DRAIN_WRITE_ATTEMPTS = 3
+COMPACTION_CHECK_INTERVAL_S = 1.0
 
 
 class ProxyRuntime:
@@ -51,6 +55,18 @@ class ProxyRuntime:
         )
         self.store = SessionStore(settings.tombstone_capacity, self.admission)
         self.generation = GenerationControl(settings.paused_turn_timeout_s)
+        self.storage = StorageHealth()
+        self.journal = (
+            Journal(
+                journal_dir(settings.dump_dir),
+                self.storage,
+                settings.durability,
+                settings.journal_flush_interval_s,
+            )
+            if settings.dump_dir
+            else None
+        )
+        self.log = SessionLog(self.journal, self.storage)
         self.exports = ExportService(
             self.store,
             ExportBuffer(settings.tombstone_capacity),
@@ -59,6 +75,7 @@ class ProxyRuntime:
             settings.dump_dir,
             settings.export_ttl_s,
             drop_without_dump=settings.allow_dropping_sessions,
+            session_log=self.log,
         )
         self.state = (
             StateKeeper(settings.dump_dir, self.persisted_state, self.counters) if settings.dump_dir else None
@@ -76,6 +93,12 @@ class ProxyRuntime:
             timeout_s=settings.stale_session_timeout_s,
             interval_s=settings.cleanup_interval_s,
             drop_without_dump=settings.allow_dropping_sessions,
+            session_log=self.log,
+        )
+        self.compactor = (
+            Compactor(self.store, self.writer, self.journal, settings.dump_dir, self.counters)
+            if self.journal is not None and settings.dump_dir is not None
+            else None
         )
         self.tokenizer = tokenizer
         self.upstream: SGLangClient | None = None
@@ -163,6 +186,29 @@ class ProxyRuntime:
         stats["export_trajectories"] = buffer.trajectories
         stats["export_bytes"] = buffer.bytes
         stats["admission"] = self.admission_stats()
+        stats["storage_writable"] = self.storage.ok
+        stats["storage"] = {
+            "writable": self.storage.ok,
+            "reason": self.storage.reason,
+            "since": self.storage.since,
+            "failures": self.storage.failures,
+            "durability": self.settings.durability if self.journal is not None else "none",
+        }
+        journal = self.journal.stats if self.journal is not None else None
+        stats["journal_bytes"] = self.journal.total_bytes if self.journal is not None else 0
+        stats["journal"] = {
+            "records": journal.records if journal else 0,
+            "syncs": journal.syncs if journal else 0,
+            "bytes_written": journal.bytes_written if journal else 0,
+            "write_failures": journal.write_failures if journal else 0,
+            "segments": len(journal.sizes) if journal else 0,
+            "segments_retired": journal.segments_retired if journal else 0,
+            "commit_wait_mean_ms": round(1000 * journal.commit_wait_s / journal.commits, 3)
+            if journal and journal.commits
+            else 0.0,
+            "last_compaction_seconds": self.compactor.last_seconds if self.compactor else 0.0,
+        }
+        stats["sessions_lost"] = self.store.lost_count
         return stats
 
     async def start(self) -> None:
@@ -189,6 +235,8 @@ class ProxyRuntime:
             self.generation,
             ReplyBuilder(self.tokenizer, self.settings.tool_call_parser, self.settings.reasoning_parser),
             self.settings.engine_logprobs,
+            self.log,
+            TurnLimits(self.settings.max_new_message_bytes, self.settings.offload_templating_bytes),
         )
         await self.restore_state()
         await self.restore()
@@ -202,6 +250,9 @@ class ProxyRuntime:
         self._tasks.append(asyncio.create_task(self._export_sweep_loop(), name="export-expiry"))
         if self.state is not None:
             self._tasks.append(asyncio.create_task(self.state.run(), name="state-flush"))
+        if self.journal is not None:
+            self._tasks.append(asyncio.create_task(self._storage_check_loop(), name="storage-check"))
+            self._tasks.append(asyncio.create_task(self._compaction_loop(), name="journal-compaction"))
         self._tasks.append(asyncio.create_task(self._heartbeat(), name="stats-heartbeat"))
         self._tasks.append(asyncio.create_task(self.loop_lag.run(), name="loop-lag-monitor"))
         # Long-lived start-up objects (modules, tokenizer) leave the collector's view, so collections
@@ -234,6 +285,8 @@ class ProxyRuntime:
                 await task
         if self.upstream is not None:
             await self.upstream.aclose()
+        if self.journal is not None:
+            await self.journal.close()
 
     async def _cleanup_loop(self) -> None:
         while True:
@@ -246,6 +299,40 @@ class ProxyRuntime:
                 except Exception:
                     self.counters.cleanup_errors += 1
                     log.exception("stale-session cleanup cycle failed; the next cycle retries")
+
+    async def _storage_check_loop(self) -> None:
+        """Probe the dump volume (write + fsync): honest readiness even when no request writes."""
+        dump_dir = self.settings.dump_dir
+        assert dump_dir is not None
+        while True:
+            interval = self.settings.storage_check_interval_s
+            await asyncio.sleep(interval if self.storage.ok else min(interval, 1.0))
+            await self.check_storage()
+
+    async def check_storage(self) -> bool:
+        assert self.settings.dump_dir is not None
+        try:
+            await asyncio.to_thread(probe_writable, self.settings.dump_dir)
+        except OSError as exc:
+            self.storage.fail(f"{type(exc).__name__}: {exc}")
+            return False
+        self.storage.recover()
+        return True
+
+    async def _compaction_loop(self) -> None:
+        assert self.journal is not None and self.compactor is not None
+        while True:
+            await asyncio.sleep(COMPACTION_CHECK_INTERVAL_S)
+            if self.journal.total_bytes < self.settings.journal_compact_bytes or not self.storage.ok:
+                continue
+            async with self._cycle_lock:  # not during a cleanup cycle's writes, nor during or after the drain
+                if self.gauges.draining:
+                    return
+                try:
+                    await self.compactor.compact()
+                except Exception:
+                    self.counters.compaction_failures += 1
+                    log.exception("journal compaction failed; the journal is kept and the next check retries")
 
     async def _export_sweep_loop(self) -> None:
         while True:
@@ -290,26 +377,35 @@ class ProxyRuntime:
         self.admission.refused = state.refused
 
     async def restore(self) -> None:
-        """Bring back the sessions a predecessor drained into the live area."""
+        """Bring back every session a predecessor held: its snapshots in `live/`, then its journal
+        replayed over them (after a SIGKILL as after a drain). Nothing read is deleted here."""
         dump_dir = self.settings.dump_dir
         if dump_dir is None:
             return
-        for path in await asyncio.to_thread(list_live_dumps, dump_dir):
-            try:
-                record = await asyncio.to_thread(load_session_file, path)
-            except Exception as exc:  # whatever is wrong with one file must not stop the others or the start
-                self.counters.restore_failures += 1
-                target = await asyncio.to_thread(quarantine, path, dump_dir)
-                log.error("cannot restore %s (%s); kept as %s", path, exc, target)
-                continue
-            try:
-                self.store.add(Session.from_record(record))
-            except ProxyError as exc:
-                self.counters.restore_failures += 1
-                log.error("cannot restore %s: %s; the file is kept", path, exc.message)
-                continue
-            await asyncio.to_thread(path.unlink)
-            self.counters.sessions_restored += 1
+        recovered = await asyncio.to_thread(recover, dump_dir, self.settings.tombstone_capacity)
+        for session in recovered.sessions.values():
+            self.store.add(session)
+        for session_id, why in recovered.lost.items():
+            self.store.mark_lost(session_id, why)
+        self.counters.sessions_restored += len(recovered.sessions)
+        self.counters.sessions_lost += len(recovered.lost)
+        self.counters.restore_failures += len(recovered.quarantined)
+        assert self.journal is not None
+        await self.journal.open(recovered.last_seq)
+        log.info(
+            "restored",
+            extra={
+                "fields": {
+                    "sessions": len(recovered.sessions),
+                    "snapshots": recovered.snapshots,
+                    "journal_segments": recovered.segments,
+                    "journal_records": recovered.records,
+                    "lost": len(recovered.lost),
+                    "quarantined": recovered.quarantined,
+                    "seconds": round(recovered.seconds, 3),
+                }
+            },
+        )
 
     def request_drain(self) -> asyncio.Task:
         if self._drain_task is None:
@@ -348,6 +444,18 @@ class ProxyRuntime:
         log.info("drain finished", extra={"fields": fields})
         return ok
 
+    async def _retire_journal(self, drained: set[str]) -> None:
+        """Every session is in its live/ snapshot now: the journal and older snapshots are redundant.
+        A failure here loses nothing (the next start replays the journal over the snapshots)."""
+        if self.journal is None or self.settings.dump_dir is None:
+            return
+        try:
+            await self.journal.close()
+            await asyncio.to_thread(remove_other_dumps, self.settings.dump_dir, LIVE_AREA, drained)
+            await self.journal.retire(self.journal.segment_seq + 1)
+        except OSError as exc:
+            log.warning("drain: the journal could not be retired (%s); the next start replays it", exc)
+
     async def _write_drained(self, sessions: list[Session]) -> bool:
         if self.writer.dump_dir is None:
             for session in sessions:
@@ -355,14 +463,17 @@ class ProxyRuntime:
             self.counters.sessions_dropped += len(sessions)
             return True
         pending = sessions
+        drained: set[str] = set()
         for attempt in range(DRAIN_WRITE_ATTEMPTS):
             outcome = await self.writer.write(pending, LIVE_AREA, "drain")
             for session in outcome.written:
                 # Not remembered as ended: the session lives on in the next process.
                 self.store.forget(session, "written to the live area for the next process", remember=False)
+                drained.add(session.session_id)
             self.counters.sessions_drained += len(outcome.written)
             pending = outcome.failed
             if not pending:
+                await self._retire_journal(drained)
                 return True
             await asyncio.sleep(0.2 * (attempt + 1))
         for session in pending:

@@ -8,7 +8,7 @@ import math
 import time
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .history import EMPTY_DIGEST
@@ -210,6 +210,61 @@ class Session:
             turn_rewards=dict(self.turn_rewards or {}),
             finished=self.finished,
         )
+
+    def copied_record(self) -> SessionRecord:
+        """A snapshot that owns its arrays (a memcpy each): safe to serialize in a worker thread while
+        the session goes on taking turns. Every mutation is synchronous, so a copy made on the event
+        loop is always of a whole state."""
+        record = self.to_record()
+        return replace(
+            record,
+            metadata=dict(record.metadata),
+            token_ids=array("i", record.token_ids),
+            loss_mask=array("B", record.loss_mask),
+            logprobs=array("f", record.logprobs),
+            turn_bounds=array("i", record.turn_bounds),
+            turn_versions=array("i", record.turn_versions),
+            version_changes=array("i", record.version_changes),
+            turn_temperatures=array("f", record.turn_temperatures),
+            turn_tempered=array("B", record.turn_tempered),
+        )
+
+    def mark(self) -> tuple:
+        """What `rollback` restores: the state before a turn is appended."""
+        return (
+            len(self.token_ids),
+            len(self.turn_bounds),
+            len(self.version_changes),
+            self.message_count,
+            self.history_digest,
+            self.last_output_stopped,
+            self.last_stop_token,
+        )
+
+    def rollback(self, mark: tuple) -> int:
+        """Undo the turns appended since `mark` (their record could not be made durable); returns the
+        number of tokens removed."""
+        tokens, bounds, changes, *rest = mark
+        removed = len(self.token_ids) - tokens
+        turns = bounds // TURN_BOUND_FIELDS
+        for values, length in (
+            (self.token_ids, tokens),
+            (self.loss_mask, tokens),
+            (self.logprobs, tokens),
+            (self.turn_bounds, bounds),
+            (self.version_changes, changes),
+            (self.turn_versions, turns),
+            (self.turn_temperatures, turns),
+            (self.turn_tempered, turns),
+        ):
+            del values[length:]
+        (
+            self.message_count,
+            self.history_digest,
+            self.last_output_stopped,
+            self.last_stop_token,
+        ) = rest
+        return removed
 
     @classmethod
     def from_record(cls, record: SessionRecord) -> Session:

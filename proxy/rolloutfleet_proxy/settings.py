@@ -67,6 +67,24 @@ class ProxySettings(BaseSettings):
     default_max_tokens: int = Field(1024, ge=1, description="max_new_tokens when a request sets none.")
     max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024, description="Largest accepted request body.")
     max_metadata_bytes: int = Field(4096, ge=0, description="Largest accepted session metadata (JSON).")
+    max_request_bytes_in_flight: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Request body bytes all requests being handled may hold at once; beyond it requests get "
+        "503 request_budget_exhausted with Retry-After (bounds what many large bodies at once cost).",
+    )
+    max_new_message_bytes: int = Field(
+        2 * 1024 * 1024,
+        ge=1024,
+        description="Largest text of the new messages of one turn (what is templated and tokenized); "
+        "beyond it the turn gets 400 new_messages_too_large.",
+    )
+    offload_templating_bytes: int = Field(
+        32 * 1024,
+        ge=0,
+        description="New-message text from which templating and tokenizing run in a worker thread, so "
+        "the event loop keeps serving other sessions (smaller turns run inline: a thread hop costs more).",
+    )
 
     cleanup_enabled: bool = Field(True, description="Dump and evict sessions idle past the timeout.")
     stale_session_timeout_s: float = Field(
@@ -79,6 +97,26 @@ class ProxySettings(BaseSettings):
         description="Without a dump directory, drop stale and drained sessions instead of refusing to start.",
     )
     dump_write_concurrency: int = Field(8, ge=1, le=64, description="Dump files written in parallel.")
+    durability: Literal["sync", "async"] = Field(
+        "sync",
+        description="'sync': a change (session created, turn, reward, finish, delete, export) is fsynced "
+        "to the journal before the client hears of it; 'async': replies do not wait, and a crash loses at "
+        "most the last journal_flush_interval_s of acknowledged changes.",
+    )
+    journal_flush_interval_s: float = Field(
+        0.05,
+        gt=0,
+        le=10,
+        description="With durability 'async': the longest time a change waits for its sync.",
+    )
+    journal_compact_bytes: int = Field(
+        256 * 1024 * 1024,
+        ge=1024 * 1024,
+        description="Journal size at which it is compacted into per-session snapshots (bounds restart time).",
+    )
+    storage_check_interval_s: float = Field(
+        5.0, gt=0, description="Interval of the dump volume's write probe (1 s while it is failing)."
+    )
     drain_grace_s: float = Field(25.0, ge=0, description="On SIGTERM, how long in-flight turns may finish.")
     trim_heap: bool = Field(
         True, description="Return freed heap pages to the OS (malloc_trim) after cleanup."

@@ -18,6 +18,7 @@ class Counters:
     """Monotonic totals since this process started."""
 
     requests: int = 0
+    requests_over_budget: int = 0  # refused with 503 request_budget_exhausted
     turns: int = 0
     turns_failed: int = 0
     turns_busy_rejected: int = 0
@@ -37,6 +38,7 @@ class Counters:
     cleanup_errors: int = 0
     heap_trims: int = 0
     turns_pause_timeouts: int = 0
+    turns_templated_off_loop: int = 0  # large turns templated and tokenized in a worker thread
     turns_continued: int = 0  # generations resubmitted after SGLang aborted them (tokens kept)
     generated_tokens_continued: int = 0  # tokens made before an abort and kept in their turn
     generated_tokens_discarded: int = 0  # tokens made before an abort, lost because the turn failed
@@ -48,6 +50,9 @@ class Counters:
     batches_restored: int = 0
     batches_dropped: int = 0
     state_write_failures: int = 0
+    compactions: int = 0  # journal compactions that retired their segments
+    compaction_failures: int = 0
+    sessions_lost: int = 0  # journaled sessions a restore could not rebuild (answer 410 session_lost)
 
 
 @dataclass
@@ -68,6 +73,7 @@ class Gauges:
     """Point-in-time values the app updates as it works."""
 
     inflight_turns: int = 0
+    request_bytes_in_flight: int = 0
     last_cleanup_seconds: float = 0.0
     draining: bool = False
     trim_available: bool = False
@@ -104,6 +110,7 @@ def build_stats(
         "sessions_being_written": detached_sessions,
         "tokens_held": tokens_held,
         "inflight_turns": gauges.inflight_turns,
+        "request_bytes_in_flight": gauges.request_bytes_in_flight,
         "draining": gauges.draining,
         "last_cleanup_seconds": gauges.last_cleanup_seconds,
         "trim_available": gauges.trim_available,
@@ -128,6 +135,9 @@ _GAUGE_HELP = {
     "export_batches": "Exported batches held until the trainer acknowledges them",
     "export_trajectories": "Trajectories in exported batches not yet acknowledged",
     "export_bytes": "Bytes of exported batches not yet acknowledged",
+    "storage_writable": "1 while the dump volume takes writes (0: sessions and turns are refused)",
+    "journal_bytes": "Bytes in the write-ahead journal's segments (compaction bounds it)",
+    "request_bytes_in_flight": "Request body bytes held by requests being handled",
 }
 _ADMISSION_GAUGES = {
     "running": "Sessions created and not yet finished or ended",
@@ -175,6 +185,17 @@ class StatsCollector(Collector):
             )
         for name, help_text in _ADMISSION_COUNTERS.items():
             yield CounterMetricFamily(f"{self._prefix}_admission_{name}", help_text, value=admission[name])
+        for name in ("records", "syncs", "write_failures"):
+            yield CounterMetricFamily(
+                f"{self._prefix}_journal_{name}",
+                f"Total journal {name.replace('_', ' ')}",
+                value=stats["journal"][name],
+            )
+        yield CounterMetricFamily(
+            f"{self._prefix}_storage_failures",
+            "Times the dump volume turned unwritable",
+            value=stats["storage"]["failures"],
+        )
         for name, value in stats["totals"].items():
             yield CounterMetricFamily(
                 f"{self._prefix}_{name}", f"Total {name.replace('_', ' ')}", value=value

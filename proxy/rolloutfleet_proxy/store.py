@@ -15,7 +15,7 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from .errors import ProxyError, conflict, gone, not_found
+from .errors import SESSION_LOST, ProxyError, conflict, gone, not_found
 from .session import Session
 from .stats import AdmissionCounters
 
@@ -28,6 +28,7 @@ class SessionStore:
         self._tombstones: OrderedDict[str, str] = OrderedDict()
         self._tombstone_capacity = tombstone_capacity
         self._ready: OrderedDict[str, Session] = OrderedDict()  # finished, held, in finish order
+        self._lost: OrderedDict[str, str] = OrderedDict()  # journaled but not recoverable: id -> why
         self.admission = admission or AdmissionCounters()
         self.tokens_held = 0
         self.running = 0
@@ -59,16 +60,34 @@ class SessionStore:
                 f"session {session_id} is being written to disk; retry",
                 {"Retry-After": "1"},
             )
+        lost = self._lost.get(session_id)
+        if lost is not None:
+            raise gone(SESSION_LOST, f"session {session_id} was lost in a restart of this proxy: {lost}")
         reason = self._tombstones.get(session_id)
         if reason is not None:
             raise gone("session_gone", f"session {session_id} has ended: {reason}")
         raise not_found(f"unknown session {session_id}")
+
+    def all_sessions(self) -> list[Session]:
+        """Every session held, live or detached (being written): what a snapshot must cover."""
+        return [*self._live.values(), *self._detached.values()]
+
+    @property
+    def lost_count(self) -> int:
+        return len(self._lost)
+
+    def mark_lost(self, session_id: str, why: str) -> None:
+        self._lost[session_id] = why
+        self._lost.move_to_end(session_id)
+        while len(self._lost) > max(self._tombstone_capacity, 1):
+            self._lost.popitem(last=False)
 
     def add(self, session: Session) -> None:
         sid = session.session_id
         if sid in self._live or sid in self._detached:
             raise conflict("session_exists", f"session {sid} already exists")
         self._tombstones.pop(sid, None)
+        self._lost.pop(sid, None)
         self._live[sid] = session
         self.tokens_held += session.num_tokens
         if session.finished:
@@ -89,6 +108,12 @@ class SessionStore:
 
     def record_growth(self, tokens: int) -> None:
         self.tokens_held += tokens
+
+    def discard_new(self, session: Session) -> None:
+        """Undo `add` of a session no client has heard of (its creation could not be journaled)."""
+        del self._live[session.session_id]
+        self.tokens_held -= session.num_tokens
+        self.running -= 1
 
     def remove(self, session_id: str, reason: str) -> Session:
         """Remove a live session for good (DELETE): later calls get 404, as for any unknown id."""

@@ -140,7 +140,7 @@ def add_trainer_routes(app: FastAPI, runtime: ProxyRuntime, require_admin: Calla
         require_admin(request)
         valid_batch_id(batch_id)
         refuse_while_draining()
-        batch = exports.buffer.acknowledge(batch_id)
+        batch = await exports.acknowledge(batch_id)
         runtime.counters.batches_acknowledged += 1
         return json_response(
             {"batch_id": batch_id, "acknowledged": True, "trajectories": batch.num_trajectories}

@@ -31,9 +31,32 @@ from .history import extend_canonical_digest, extend_digest, tools_digest
 from .openai_format import ChatRequest
 from .replies import Reply, ReplyBuilder
 from .session import Session
+from .session_log import SessionLog
 from .stats import Counters, Gauges
 from .store import SessionStore
 from .upstream import Generation, SGLangClient
+
+
+@dataclass(frozen=True)
+class TurnLimits:
+    max_new_message_bytes: int = 2 * 1024 * 1024
+    offload_templating_bytes: int = 32 * 1024
+
+
+def message_text_bytes(messages: list[dict], stop_after: int | None = None) -> int:
+    """Characters of text in canonical messages (content, reasoning, tool-call arguments and names):
+    what templating and tokenizing cost grows with. Stops counting past `stop_after` when given."""
+    total = 0
+    for message in messages:
+        for key in ("content", "reasoning_content", "name"):
+            value = message.get(key)
+            if isinstance(value, str):
+                total += len(value)
+        for call in message.get("tool_calls") or ():
+            total += len(str(call))
+        if stop_after is not None and total > stop_after:
+            break
+    return total
 
 
 @dataclass(frozen=True)
@@ -59,8 +82,12 @@ class TurnService:
         generation: GenerationControl,
         replies: ReplyBuilder,
         engine_logprobs: str = "tempered",
+        session_log: SessionLog | None = None,
+        limits: TurnLimits | None = None,
     ):
+        self._limits = limits or TurnLimits()
         self._engine_logprobs = engine_logprobs
+        self._log = session_log
         self._generation = generation
         self._replies = replies
         self._store = store
@@ -68,8 +95,11 @@ class TurnService:
         self._upstream = upstream
         self._counters = counters
         self._gauges = gauges
-        self.turns_done = asyncio.Event()  # set whenever no turn is in flight (the drain waits on it)
+        # Set whenever no turn holds a session lock, from its start to its journal commit (the drain
+        # waits on it: a session whose turn is still committing would be skipped by the drain).
+        self.turns_done = asyncio.Event()
         self.turns_done.set()
+        self._active_turns = 0
 
     def new_input_ids(self, session: Session, request: ChatRequest) -> tuple[array, str, bytes]:
         """Ids to append for this request's new messages, their rendered text, and the history digest
@@ -104,6 +134,23 @@ class TurnService:
             raise bad_request("template_error", f"chat template failed on these messages: {exc}") from None
         return ids, text, extend_canonical_digest(session.history_digest if recorded else seed, new)
 
+    async def _new_input(self, session: Session, request: ChatRequest) -> tuple[array, str, bytes]:
+        """`new_input_ids`, in a worker thread when the messages are large: templating and tokenizing
+        megabytes takes seconds, and the loop serves every other session meanwhile (HF tokenizers
+        release the GIL while encoding). The session lock is held: nothing else reads or changes it."""
+        new_text = message_text_bytes(request.messages[session.message_count :])
+        if new_text > self._limits.max_new_message_bytes:
+            raise bad_request(
+                "new_messages_too_large",
+                f"the new messages of this turn hold {new_text} bytes of text; the most is "
+                f"{self._limits.max_new_message_bytes} (max_new_message_bytes)",
+            )
+        offload_from = self._limits.offload_templating_bytes
+        if message_text_bytes(request.messages, stop_after=offload_from) < offload_from:
+            return self.new_input_ids(session, request)  # the common turn: a thread hop costs more
+        self._counters.turns_templated_off_loop += 1
+        return await asyncio.to_thread(self.new_input_ids, session, request)
+
     async def run_turn(self, session: Session, request: ChatRequest, timings: dict[str, float]) -> TurnResult:
         if self._gauges.draining:
             raise unavailable("draining", "the proxy is shutting down; retry on its replacement", 2)
@@ -112,14 +159,28 @@ class TurnService:
         if session.busy:
             self._counters.turns_busy_rejected += 1
             raise conflict("session_busy", f"session {session.session_id} already has a turn in flight")
+        if self._log is not None:
+            self._log.require_writable("this turn was not run")
         t_lock = time.perf_counter()
+        self._active_turns += 1
+        self.turns_done.clear()
+        try:
+            return await self._locked_turn(session, request, timings, t_lock)
+        finally:
+            self._active_turns -= 1
+            if self._active_turns == 0:
+                self.turns_done.set()
+
+    async def _locked_turn(
+        self, session: Session, request: ChatRequest, timings: dict[str, float], t_lock: float
+    ) -> TurnResult:
         async with session.lock:  # uncontended: acquired without yielding
             t_tok = time.perf_counter()
             timings["lock_wait_ms"] = _ms(t_lock, t_tok)
             if session.closed:
                 raise gone("session_gone", f"session {session.session_id} has ended: {session.close_reason}")
             session.touch()
-            new_ids, prompt_tail, digest = self.new_input_ids(session, request)
+            new_ids, prompt_tail, digest = await self._new_input(session, request)
             prompt = session.token_ids.tolist()
             prompt.extend(new_ids)
             t_up = time.perf_counter()
@@ -133,24 +194,40 @@ class TurnService:
             stop_token = self._tokenizer.stop_token(generation.output_ids, generation.stop_token)
             reply = self._replies.build(generation, stop_token, request.tools, prompt_tail)
             temperature, tempered = logprobs_tempered(self._engine_logprobs, request.sampling_params)
-            added = session.append_turn(
-                new_ids,
-                generation.output_ids,
-                generation.logprobs,
-                message_count=len(request.messages) + 1,
-                history_digest=extend_digest(digest, [reply.message()]),
-                stopped=stop_token is not None,
-                stop_token=stop_token,
-                model_version=turn.version,
-                version_changes=turn.version_changes,
-                temperature=temperature,
-                tempered=tempered,
-            )
+            fields = {
+                "message_count": len(request.messages) + 1,
+                "history_digest": extend_digest(digest, [reply.message()]),
+                "stopped": stop_token is not None,
+                "stop_token": stop_token,
+                "model_version": turn.version,
+                "version_changes": turn.version_changes,
+                "temperature": temperature,
+                "tempered": tempered,
+            }
+            mark = session.mark()
+            added = session.append_turn(new_ids, generation.output_ids, generation.logprobs, **fields)
             self._store.record_growth(added)
+            turn_index = session.num_turns - 1
+            pending = None
+            try:
+                if self._log is not None:  # same synchronous step as the append: journal order = change order
+                    pending = self._log.turn(
+                        session, turn_index, new_ids, generation.output_ids, generation.logprobs, **fields
+                    )
+                    t_journal = time.perf_counter()
+                    await self._log.commit(pending)
+                    timings["journal_ms"] = _ms(t_journal, time.perf_counter())
+            except ProxyError:
+                # Not durable, so not delivered: the session is as it was, the client may retry the turn.
+                removed = session.rollback(mark)
+                if not session.closed:
+                    self._store.record_growth(-removed)
+                self._counters.turns_failed += 1
+                raise
             session.touch()
             self._counters.turns += 1
             timings["record_ms"] = _ms(t_rec, time.perf_counter())
-            return TurnResult(session.num_turns - 1, generation, len(prompt), reply)
+            return TurnResult(turn_index, generation, len(prompt), reply)
 
     async def _generate(
         self, prompt: list[int], sampling: dict, session: Session
@@ -200,14 +277,11 @@ class TurnService:
         task = asyncio.create_task(self._generate(prompt, sampling, session))
         session.in_flight = task
         self._gauges.inflight_turns += 1
-        self.turns_done.clear()
         try:
             await asyncio.wait({task})
         finally:
             session.in_flight = None
             self._gauges.inflight_turns -= 1
-            if self._gauges.inflight_turns == 0:
-                self.turns_done.set()
             if not task.done():
                 task.cancel()  # our own request was cancelled (client gone, shutdown): nothing is recorded
         if task.cancelled() or session.closed:

@@ -1,0 +1,211 @@
+"""The write-ahead journal's records: what each says, and their bytes (pure functions).
+
+A record is framed as `MAGIC | payload length (u32) | CRC-32 of the payload (u32) | payload`; the
+payload is `kind (u8) | header length (u32) | header (JSON) | body`. Only a turn has a body: its new
+input ids (int32), output ids (int32) and output logprobs (float32), as the arrays hold them.
+
+Every record names its session by id and incarnation (the first 8 bytes of the session key's digest),
+so a record of a deleted session never applies to a later session that reuses the id. A turn carries
+its index: replaying it on a snapshot that already holds it is a no-op, so a snapshot may be newer
+than the journal it compacts.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+import zlib
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+MAGIC = b"RFJ1"
+_FRAME = struct.Struct("<4sII")  # magic, payload length, crc32
+_KIND_HEADER = struct.Struct("<BI")  # kind, header length
+FRAME_BYTES = _FRAME.size
+MAX_RECORD_BYTES = 1 << 30
+
+CREATE, TURN, REWARD, FINISH, END = 1, 2, 3, 4, 5
+KINDS = {CREATE: "create", TURN: "turn", REWARD: "reward", FINISH: "finish", END: "end"}
+
+
+class RecordError(ValueError):
+    """Bytes that are not a whole, intact record."""
+
+
+@dataclass(frozen=True)
+class TurnBody:
+    new_input_ids: array
+    output_ids: array
+    output_logprobs: array
+
+
+@dataclass(frozen=True)
+class Record:
+    kind: int
+    header: dict[str, Any]
+    turn: TurnBody | None = field(default=None)
+
+    @property
+    def session_id(self) -> str:
+        return self.header["sid"]
+
+    @property
+    def incarnation(self) -> str:
+        return self.header["inc"]
+
+
+def incarnation(key_digest: bytes) -> str:
+    return key_digest[:8].hex()
+
+
+def frame(kind: int, header: dict[str, Any], body: bytes = b"") -> bytes:
+    head = orjson.dumps(header)
+    payload = _KIND_HEADER.pack(kind, len(head)) + head + body
+    return _FRAME.pack(MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def create_record(session_id: str, key_digest: bytes, created_at: float, metadata: dict[str, Any]) -> bytes:
+    header = {
+        "sid": session_id,
+        "inc": incarnation(key_digest),
+        "key": key_digest.hex(),
+        "created_at": created_at,
+        "metadata": metadata,
+    }
+    return frame(CREATE, header)
+
+
+def turn_record(
+    session_id: str,
+    key_digest: bytes,
+    turn_index: int,
+    new_input_ids: array,
+    output_ids: array,
+    output_logprobs: array,
+    *,
+    message_count: int,
+    history_digest: bytes,
+    stopped: bool,
+    stop_token: int | None,
+    model_version: int,
+    version_changes: list[tuple[int, int]],
+    temperature: float,
+    tempered: bool,
+) -> bytes:
+    header = {
+        "sid": session_id,
+        "inc": incarnation(key_digest),
+        "turn": turn_index,
+        "n_in": len(new_input_ids),
+        "n_out": len(output_ids),
+        "message_count": message_count,
+        "digest": history_digest.hex(),
+        "stopped": stopped,
+        "stop_token": stop_token,
+        "version": model_version,
+        "changes": [list(c) for c in version_changes],
+        "temperature": None if math.isnan(temperature) else temperature,
+        "tempered": tempered,
+    }
+    body = new_input_ids.tobytes() + output_ids.tobytes() + output_logprobs.tobytes()
+    return frame(TURN, header, body)
+
+
+def reward_record(session_id: str, key_digest: bytes, value: float, turn: int | None) -> bytes:
+    return frame(REWARD, {"sid": session_id, "inc": incarnation(key_digest), "value": value, "turn": turn})
+
+
+def finish_record(session_id: str, key_digest: bytes) -> bytes:
+    return frame(FINISH, {"sid": session_id, "inc": incarnation(key_digest)})
+
+
+def end_record(session_id: str, key_digest: bytes, reason: str) -> bytes:
+    return frame(END, {"sid": session_id, "inc": incarnation(key_digest), "reason": reason})
+
+
+def decode_payload(payload: bytes) -> Record:
+    """A record from an intact payload (its CRC already checked); RecordError if it is malformed."""
+    try:
+        kind, head_len = _KIND_HEADER.unpack_from(payload)
+        start = _KIND_HEADER.size
+        header = orjson.loads(payload[start : start + head_len])
+        body = memoryview(payload)[start + head_len :]
+        if kind not in KINDS or not isinstance(header, dict):
+            raise RecordError(f"unknown record kind {kind}")
+        if not isinstance(header.get("sid"), str) or not isinstance(header.get("inc"), str):
+            raise RecordError("record without a session")
+        if kind != TURN:
+            return Record(kind, header)
+        n_in, n_out = int(header["n_in"]), int(header["n_out"])
+        if n_in < 0 or n_out < 0 or len(body) != 4 * (n_in + 2 * n_out):
+            raise RecordError("turn body does not match its lengths")
+        new_input_ids = array("i", body[: 4 * n_in])
+        output_ids = array("i", body[4 * n_in : 4 * (n_in + n_out)])
+        logprobs = array("f", body[4 * (n_in + n_out) :])
+        return Record(kind, header, TurnBody(new_input_ids, output_ids, logprobs))
+    except RecordError:
+        raise
+    except (struct.error, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise RecordError(f"malformed record: {type(exc).__name__}: {exc}") from None
+
+
+@dataclass
+class ScanResult:
+    records: list[Record]
+    good_bytes: int  # the prefix of the segment that holds intact records, up to the first bad one
+    damaged: bool  # something after good_bytes failed verification and was not just a torn tail
+    skipped_bytes: int  # bytes after good_bytes that could not be read as records
+
+
+def scan(data: bytes) -> ScanResult:
+    """Every intact record of a segment, in order. Bad bytes with nothing intact after them are the
+    append a crash cut short (never fsynced, so never acknowledged): the scan ends there quietly. Bad
+    bytes followed by intact records are damage: the scan resynchronises on the next intact record
+    and reports what it skipped."""
+    records: list[Record] = []
+    pos, good, skipped, damaged = 0, None, 0, False
+    size = len(data)
+    while pos < size:
+        record, end = _read_at(data, pos)
+        if record is not None:
+            records.append(record)
+            pos = end
+            continue
+        if good is None:
+            good = pos
+        resync = _next_intact(data, pos + 1)
+        if resync is None:  # nothing intact after it: the append a crash cut short (never acknowledged)
+            skipped += size - pos
+            break
+        damaged = True
+        skipped += resync - pos
+        pos = resync
+    return ScanResult(records, size if good is None else good, damaged, skipped)
+
+
+def _read_at(data: bytes, pos: int) -> tuple[Record | None, int]:
+    if pos + FRAME_BYTES > len(data):
+        return None, pos
+    magic, length, crc = _FRAME.unpack_from(data, pos)
+    end = pos + FRAME_BYTES + length
+    if magic != MAGIC or length > MAX_RECORD_BYTES or end > len(data):
+        return None, pos
+    payload = data[pos + FRAME_BYTES : end]
+    if zlib.crc32(payload) != crc:
+        return None, pos
+    try:
+        return decode_payload(payload), end
+    except RecordError:
+        return None, pos
+
+
+def _next_intact(data: bytes, start: int) -> int | None:
+    pos = data.find(MAGIC, start)
+    while pos != -1:
+        if _read_at(data, pos)[0] is not None:
+            return pos
+        pos = data.find(MAGIC, pos + 1)
+    return None

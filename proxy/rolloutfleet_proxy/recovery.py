@@ -1,0 +1,206 @@
+"""Restore after any stop, clean or not: the snapshots in `live/`, then the journal replayed over them.
+
+Blocking (the start-up runs it in a worker thread, before the proxy serves). Nothing it reads is
+deleted here: the snapshots and segments stay until a compaction has made what they hold durable
+again, so a kill during or right after a restore loses nothing either. Files that fail verification
+are moved to `corrupt/` (never served, never overwritten); sessions whose state cannot be rebuilt
+exactly are reported as lost, so clients get 410 `session_lost` rather than a wrong trajectory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import orjson
+
+from .dumps import (
+    LIVE_AREA,
+    SUFFIX,
+    DumpFormatError,
+    list_live_dumps,
+    load_session_file,
+    quarantine,
+    write_atomic,
+)
+from .ids import is_valid_session_id
+from .journal import journal_dir, list_segments
+from .journal_records import CREATE, END, FINISH, REWARD, TURN, Record, incarnation, scan
+from .session import UNKNOWN_TEMPERATURE, Session
+
+log = logging.getLogger("rolloutfleet.proxy.recovery")
+
+LOST_FILE = "lost-sessions.json"
+
+
+@dataclass
+class Recovered:
+    sessions: dict[str, Session] = field(default_factory=dict)
+    lost: dict[str, str] = field(default_factory=dict)  # session id -> why it could not be recovered
+    snapshots: int = 0
+    records: int = 0  # journal records applied
+    segments: int = 0
+    last_seq: int = 0
+    quarantined: list[str] = field(default_factory=list)  # what went to corrupt/, as moved
+    damaged_segments: int = 0
+    seconds: float = 0.0
+
+
+class Replay:
+    """Applies journal records, in order, to sessions (pure: no I/O)."""
+
+    def __init__(self, sessions: dict[str, Session], lost: dict[str, str]):
+        self.sessions = sessions
+        self.lost = lost
+        self.applied = 0
+        self._lost_incarnations: dict[str, str] = {}
+        self._orphans: dict[str, str] = {}  # records seen without their session: id -> incarnation
+
+    def apply(self, record: Record) -> None:
+        sid, inc = record.session_id, record.incarnation
+        if record.kind == CREATE:
+            existing = self.sessions.get(sid)
+            # The same incarnation: already restored. Another: the old one ended (its end was compacted).
+            if existing is None or incarnation(existing.key_digest) != inc:
+                key = bytes.fromhex(record.header["key"])
+                self.sessions[sid] = Session(
+                    sid, key, dict(record.header.get("metadata") or {}), float(record.header["created_at"])
+                )
+                self.lost.pop(sid, None)
+                self._orphans.pop(sid, None)
+                self.applied += 1
+            return
+        session = self.sessions.get(sid)
+        if session is None or incarnation(session.key_digest) != inc:
+            if record.kind == END:  # it ended: nothing to recover, nobody waiting for it
+                self._orphans.pop(sid, None)
+                if self._lost_incarnations.get(sid) == inc:
+                    self.lost.pop(sid, None)
+            elif self._lost_incarnations.get(sid) != inc:
+                self._orphans[sid] = inc
+            return
+        if record.kind == TURN:
+            self._turn(session, record)
+        elif record.kind == REWARD:
+            turn = record.header.get("turn")
+            session.set_reward(float(record.header["value"]), None if turn is None else int(turn))
+        elif record.kind == FINISH:
+            session.finished = True
+        elif record.kind == END:
+            del self.sessions[sid]
+        self.applied += 1
+
+    def _turn(self, session: Session, record: Record) -> None:
+        h, body = record.header, record.turn
+        assert body is not None
+        index = int(h["turn"])
+        if index < session.num_turns:
+            return  # already in the snapshot
+        if index > session.num_turns:
+            self._lose(session, f"turn {session.num_turns} is missing from the journal (next is {index})")
+            return
+        temperature = h.get("temperature")
+        try:
+            session.append_turn(
+                body.new_input_ids,
+                body.output_ids,
+                body.output_logprobs,
+                message_count=int(h["message_count"]),
+                history_digest=bytes.fromhex(h["digest"]),
+                stopped=bool(h["stopped"]),
+                stop_token=h.get("stop_token"),
+                model_version=int(h["version"]),
+                version_changes=[(int(o), int(v)) for o, v in h.get("changes") or []],
+                temperature=UNKNOWN_TEMPERATURE if temperature is None else float(temperature),
+                tempered=bool(h.get("tempered")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            self._lose(session, f"turn {index} cannot be applied: {exc}")
+
+    def _lose(self, session: Session, why: str) -> None:
+        del self.sessions[session.session_id]
+        self.lost[session.session_id] = why
+        self._lost_incarnations[session.session_id] = incarnation(session.key_digest)
+
+    def finish(self) -> None:
+        """Sessions the journal changed but whose start was not recoverable, and that never ended."""
+        for sid in self._orphans:
+            if sid not in self.sessions:
+                self.lost.setdefault(sid, "its start is in no snapshot or journal record that survived")
+
+
+def recover(dump_dir: Path, lost_capacity: int = 10000) -> Recovered:
+    started = time.monotonic()
+    result = Recovered()
+    result.lost.update(_read_lost(dump_dir))
+    unreadable: set[str] = set()
+    for path in list_live_dumps(dump_dir, LIVE_AREA):
+        name = path.name[: -len(SUFFIX)]
+        try:
+            record = load_session_file(path)
+            if record.session_id != name:
+                raise DumpFormatError(f"{path}: holds session {record.session_id!r}, not {name!r}")
+        except Exception as exc:  # whatever is wrong with one file must not stop the others
+            target = quarantine(path, dump_dir)
+            result.quarantined.append(str(target))
+            log.error("cannot restore %s (%s); moved to %s", path, exc, target)
+            if is_valid_session_id(name):
+                unreadable.add(name)
+            continue
+        result.sessions[name] = Session.from_record(record)
+        result.snapshots += 1
+    replay = Replay(result.sessions, result.lost)
+    for seq, path in list_segments(journal_dir(dump_dir)):
+        result.last_seq = seq
+        result.segments += 1
+        scanned = scan(path.read_bytes())
+        if scanned.damaged:
+            result.damaged_segments += 1
+            target = _copy_aside(path, dump_dir)
+            result.quarantined.append(str(target))
+            log.error(
+                "journal segment %s is damaged (%d bytes unreadable); its intact records were replayed; "
+                "a copy is kept as %s",
+                path,
+                scanned.skipped_bytes,
+                target,
+            )
+        for record in scanned.records:
+            replay.apply(record)
+        del scanned
+    replay.finish()
+    for sid in unreadable:
+        if sid not in result.sessions:
+            result.lost.setdefault(sid, "its snapshot failed verification")
+    for sid in result.sessions:
+        result.lost.pop(sid, None)
+    if len(result.lost) > lost_capacity:
+        result.lost = dict(list(result.lost.items())[-lost_capacity:])
+    result.records = replay.applied
+    if result.lost or (dump_dir / LOST_FILE).exists():
+        write_atomic(dump_dir / LOST_FILE, orjson.dumps(result.lost))
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _read_lost(dump_dir: Path) -> dict[str, str]:
+    try:
+        raw = orjson.loads((dump_dir / LOST_FILE).read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {
+        k: v for k, v in raw.items() if isinstance(k, str) and isinstance(v, str) and is_valid_session_id(k)
+    }
+
+
+def _copy_aside(path: Path, dump_dir: Path) -> Path:
+    """A copy of a damaged segment in corrupt/, for inspection; the segment itself stays until a
+    compaction retires it (its intact records are still the only copy of some changes)."""
+    target = dump_dir / "corrupt" / f"{path.name}.{int(time.time() * 1000)}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(target, path.read_bytes())
+    return target
