@@ -34,9 +34,17 @@ class Compactor:
         self._dump_dir = dump_dir
         self._counters = counters
         self.last_seconds = 0.0
+        self.running = False
 
     async def compact(self) -> bool:
         """True when the old segments were retired; False leaves them (the next compaction retries)."""
+        self.running = True
+        try:
+            return await self._compact()
+        finally:
+            self.running = False
+
+    async def _compact(self) -> bool:
         started = time.monotonic()
         retire_upto = self._journal.rotate()
         sessions = self._store.all_sessions()

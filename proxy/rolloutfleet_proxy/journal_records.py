@@ -142,14 +142,20 @@ def decode_payload(payload: bytes) -> Record:
         n_in, n_out = int(header["n_in"]), int(header["n_out"])
         if n_in < 0 or n_out < 0 or len(body) != 4 * (n_in + 2 * n_out):
             raise RecordError("turn body does not match its lengths")
-        new_input_ids = array("i", body[: 4 * n_in])
-        output_ids = array("i", body[4 * n_in : 4 * (n_in + n_out)])
-        logprobs = array("f", body[4 * (n_in + n_out) :])
+        new_input_ids = _array("i", body[: 4 * n_in])
+        output_ids = _array("i", body[4 * n_in : 4 * (n_in + n_out)])
+        logprobs = _array("f", body[4 * (n_in + n_out) :])
         return Record(kind, header, TurnBody(new_input_ids, output_ids, logprobs))
     except RecordError:
         raise
     except (struct.error, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise RecordError(f"malformed record: {type(exc).__name__}: {exc}") from None
+
+
+def _array(typecode: str, data: memoryview) -> array:
+    values = array(typecode)
+    values.frombytes(data)
+    return values
 
 
 @dataclass

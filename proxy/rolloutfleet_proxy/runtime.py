@@ -207,6 +207,7 @@ class ProxyRuntime:
             if journal and journal.commits
             else 0.0,
             "last_compaction_seconds": self.compactor.last_seconds if self.compactor else 0.0,
+            "compacting": bool(self.compactor and self.compactor.running),
         }
         stats["sessions_lost"] = self.store.lost_count
         return stats
@@ -382,6 +383,7 @@ class ProxyRuntime:
         dump_dir = self.settings.dump_dir
         if dump_dir is None:
             return
+        log.info("restoring from %s", dump_dir)
         recovered = await asyncio.to_thread(recover, dump_dir, self.settings.tombstone_capacity)
         for session in recovered.sessions.values():
             self.store.add(session)

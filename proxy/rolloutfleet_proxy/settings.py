@@ -111,7 +111,7 @@ class ProxySettings(BaseSettings):
     )
     journal_compact_bytes: int = Field(
         256 * 1024 * 1024,
-        ge=1024 * 1024,
+        ge=4096,
         description="Journal size at which it is compacted into per-session snapshots (bounds restart time).",
     )
     storage_check_interval_s: float = Field(

@@ -1,0 +1,203 @@
+"""SIGKILL (what the OOM killer sends) at random moments under concurrent multi-turn load, then a
+restart on the same dump directory: every turn, reward and finish a client got a 2xx for is there,
+byte-identical. Ten kills in one run on one directory, one of them during a journal compaction and
+one during a restore. Real proxy processes, the SGLang emulator (a stand-in: no GPU here)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+from proxy_harness import ADMIN, ADMIN_KEY, chat_body
+from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, serve_app
+from rolloutfleet_testkit.sglang_emulator.server import create_app as create_engine_app
+
+KILLS = 10
+WORKERS = 12
+SEED = 13
+
+
+@pytest.fixture(scope="module")
+def engine_url(test_tokenizer_dir):
+    with serve_app(create_engine_app(str(test_tokenizer_dir), seed=3, token_delay_s=0.002)) as url:
+        yield url
+
+
+@dataclass
+class Delivered:
+    key: str
+    turns: list[list[float]] = field(default_factory=list)  # each delivered turn's output logprobs
+    reward: float | None = None
+    finished: bool = False
+
+
+def spawn(engine_url: str, tokenizer_dir: Path, dumps: Path, log: Path) -> tuple[ServerProcess, str]:
+    port = free_port()
+    process = ServerProcess(
+        proxy_command(
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--upstream-url",
+            engine_url,
+            "--tokenizer-path",
+            str(tokenizer_dir),
+            "--dump-dir",
+            str(dumps),
+            "--journal-compact-bytes",
+            "65536",  # compactions happen during the load, so kills land around them too
+            "--no-log-requests",
+        ),
+        log,
+        env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
+    )
+    return process, f"http://127.0.0.1:{port}"
+
+
+def kill(process: ServerProcess) -> None:
+    process.process.send_signal(signal.SIGKILL)
+    process.process.wait(10)
+    process.terminate()  # closes its log
+
+
+async def rollouts(url: str, ledger: dict[str, Delivered], rng: random.Random) -> None:
+    """Multi-turn sessions until the proxy dies; only what got a 2xx goes into the ledger."""
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        while True:
+            created = await client.post("/v1/sessions", headers=ADMIN, json={"metadata": {"n": rng.random()}})
+            if created.status_code != 201:
+                return
+            sid, key = created.json()["session_id"], created.json()["session_key"]
+            ledger[sid] = delivered = Delivered(key)
+            auth = {"Authorization": f"Bearer {key}"}
+            messages: list[dict] = []
+            for turn in range(rng.randint(1, 5)):
+                messages.append(
+                    {"role": "user", "content": f"{sid} turn {turn} " + "x" * rng.randint(0, 200)}
+                )
+                reply = await client.post(
+                    f"/v1/sessions/{sid}/chat/completions",
+                    headers=auth,
+                    json=chat_body(messages, max_tokens=rng.randint(2, 12), logprobs=True),
+                )
+                if reply.status_code != 200:
+                    return
+                choice = reply.json()["choices"][0]
+                delivered.turns.append([t["logprob"] for t in choice["logprobs"]["content"]])
+                messages.append(choice["message"])
+            if rng.random() < 0.5:
+                value = round(rng.uniform(-1, 1), 3)
+                if (
+                    await client.post(f"/v1/sessions/{sid}/reward", headers=auth, json={"reward": value})
+                ).status_code != 200:
+                    return
+                delivered.reward = value
+            if rng.random() < 0.5:
+                if (await client.post(f"/v1/sessions/{sid}/finish", headers=auth)).status_code != 200:
+                    return
+                delivered.finished = True
+
+
+async def load_until_killed(url: str, process: ServerProcess, ledger, rng, kill_when) -> None:
+    workers = [
+        asyncio.create_task(rollouts(url, ledger, random.Random(rng.random()))) for _ in range(WORKERS)
+    ]
+    try:
+        await kill_when()
+        kill(process)
+        await asyncio.wait_for(asyncio.gather(*workers, return_exceptions=True), 30)
+    finally:
+        for worker in workers:
+            worker.cancel()
+
+
+def check_ledger(url: str, ledger: dict[str, Delivered]) -> int:
+    """Every delivered change is present after the restart; returns the turns checked."""
+    checked = 0
+    with httpx.Client(base_url=url, timeout=30) as client:
+        for sid, delivered in ledger.items():
+            got = client.get(
+                f"/v1/sessions/{sid}",
+                params={"tokens": "true"},
+                headers={"Authorization": f"Bearer {delivered.key}"},
+            )
+            assert got.status_code == 200, (sid, got.text)
+            data = got.json()
+            trajectory = data["trajectory"]
+            # One more turn than delivered is allowed: recorded and durable, the kill beat the reply.
+            assert len(delivered.turns) <= data["num_turns"] <= len(delivered.turns) + 1, sid
+            for index, logprobs in enumerate(delivered.turns):
+                _, output_start, end = trajectory["turns"][index]
+                assert trajectory["logprobs"][output_start:end] == logprobs, (sid, index)
+                assert all(trajectory["loss_mask"][output_start:end]), (sid, index)
+                checked += 1
+            if delivered.reward is not None:
+                assert data["reward"] == delivered.reward, sid
+            if delivered.finished:
+                assert data["finished"], sid
+    return checked
+
+
+async def test_sigkill_at_random_moments_loses_no_delivered_change(engine_url, test_tokenizer_dir, tmp_path):
+    rng = random.Random(SEED)
+    dumps = tmp_path / "dumps"
+    ledger: dict[str, Delivered] = {}
+    checked_turns = 0
+    kill_during_compaction, kill_during_restore = 4, 7
+    for cycle in range(KILLS):
+        process, url = spawn(engine_url, test_tokenizer_dir, dumps, tmp_path / f"proxy-{cycle}.log")
+        if cycle == kill_during_restore:
+            # The start-up restores everything held so far; kill it in the middle of that.
+            await wait_for_log(process, '"restoring from', 60)
+            kill(process)
+            process, url = spawn(engine_url, test_tokenizer_dir, dumps, tmp_path / f"proxy-{cycle}b.log")
+        process.wait_ready(f"{url}/readyz", 90)
+        checked_turns = await asyncio.to_thread(check_ledger, url, ledger)
+        stats = await asyncio.to_thread(get_stats, url)
+        assert stats["sessions_lost"] == 0 and stats["totals"]["restore_failures"] == 0
+
+        async def random_moment() -> None:
+            await asyncio.sleep(rng.uniform(0.3, 1.5))
+
+        async def during_compaction(url: str = url) -> None:
+            async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    if (await client.get("/stats")).json()["journal"]["compacting"]:
+                        return
+                    await asyncio.sleep(0.002)
+            raise AssertionError("no compaction started within 30 s")
+
+        await load_until_killed(
+            url, process, ledger, rng, during_compaction if cycle == kill_during_compaction else random_moment
+        )
+    process, url = spawn(engine_url, test_tokenizer_dir, dumps, tmp_path / "proxy-last.log")
+    try:
+        process.wait_ready(f"{url}/readyz", 90)
+        checked_turns = await asyncio.to_thread(check_ledger, url, ledger)
+        stats = await asyncio.to_thread(get_stats, url)
+    finally:
+        assert process.terminate() == 0
+    assert stats["sessions_lost"] == 0
+    assert stats["live_sessions"] >= len(ledger)
+    assert checked_turns > 100, checked_turns  # the kills landed under real load
+
+
+def get_stats(url: str) -> dict:
+    return httpx.get(f"{url}/stats").json()
+
+
+async def wait_for_log(process: ServerProcess, text: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in process.log_path.read_text(errors="replace"):
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"{text!r} not logged within {timeout_s} s:\n{process.log_tail()}")

@@ -1,0 +1,246 @@
+"""The write-ahead journal: record framing, torn and damaged segments, replay rules, group commit,
+and restore = snapshots + replay on real files."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from array import array
+from pathlib import Path
+
+import pytest
+from rolloutfleet_proxy import journal_records as jr
+from rolloutfleet_proxy.dumps import LIVE_AREA, load_session_file, write_session_dump
+from rolloutfleet_proxy.errors import ProxyError
+from rolloutfleet_proxy.ids import key_digest
+from rolloutfleet_proxy.journal import Journal, StorageHealth, journal_dir, list_segments
+from rolloutfleet_proxy.recovery import Replay, recover
+from rolloutfleet_proxy.session import Session
+
+KEY = key_digest("key-a")
+OTHER_KEY = key_digest("key-b")
+
+
+def turn(sid: str, index: int, key: bytes = KEY, n_in: int = 3, n_out: int = 2, base: int = 10) -> bytes:
+    return jr.turn_record(
+        sid,
+        key,
+        index,
+        array("i", range(base, base + n_in)),
+        array("i", range(base + 100, base + 100 + n_out)),
+        array("f", [-0.5 - i for i in range(n_out)]),
+        message_count=2 * (index + 1),
+        history_digest=bytes([index]) * 32,
+        stopped=True,
+        stop_token=base + 100 + n_out - 1,
+        model_version=index,
+        version_changes=[(1, index + 1)] if n_out > 1 else [],
+        temperature=0.7,
+        tempered=True,
+    )
+
+
+def segment_of(*records: bytes) -> bytes:
+    return b"".join(records)
+
+
+def test_records_round_trip_every_kind():
+    data = segment_of(
+        jr.create_record("session-a1", KEY, 12.5, {"task": "t"}),
+        turn("session-a1", 0),
+        jr.reward_record("session-a1", KEY, 1.5, None),
+        jr.finish_record("session-a1", KEY),
+        jr.end_record("session-a1", KEY, "deleted"),
+    )
+    scanned = jr.scan(data)
+    assert [r.kind for r in scanned.records] == [jr.CREATE, jr.TURN, jr.REWARD, jr.FINISH, jr.END]
+    assert scanned.good_bytes == len(data) and not scanned.damaged and scanned.skipped_bytes == 0
+    body = scanned.records[1].turn
+    assert body.new_input_ids.tolist() == [10, 11, 12] and body.output_ids.tolist() == [110, 111]
+    assert body.output_logprobs.tolist() == [-0.5, -1.5]
+    assert (
+        scanned.records[1].header["changes"] == [[1, 1]] and scanned.records[1].header["temperature"] == 0.7
+    )
+    assert scanned.records[0].header["metadata"] == {"task": "t"}
+
+
+def test_a_torn_last_record_at_every_byte_offset_loses_only_that_record():
+    before = [jr.create_record("session-a1", KEY, 1.0, {}), turn("session-a1", 0), turn("session-a1", 1)]
+    last = turn("session-a1", 2, n_in=5, n_out=4)
+    prefix = segment_of(*before)
+    for cut in range(len(last)):  # every byte offset of the last record, 0 (nothing of it) included
+        scanned = jr.scan(prefix + last[:cut])
+        assert len(scanned.records) == 3, cut
+        assert scanned.good_bytes == len(prefix) and not scanned.damaged, cut
+    assert len(jr.scan(prefix + last).records) == 4
+
+
+def test_a_flipped_byte_in_the_middle_is_damage_and_the_scan_resynchronises():
+    records = [jr.create_record("session-a1", KEY, 1.0, {})] + [turn("session-a1", i) for i in range(4)]
+    data = bytearray(segment_of(*records))
+    second_turn_start = len(records[0]) + len(records[1])
+    data[second_turn_start + jr.FRAME_BYTES + 7] ^= 0xFF  # inside turn 1's payload: its CRC fails
+    scanned = jr.scan(bytes(data))
+    assert scanned.damaged and scanned.skipped_bytes == len(records[2])
+    assert [r.header.get("turn") for r in scanned.records] == [None, 0, 2, 3]
+
+
+def replay(records: list[bytes], sessions: dict | None = None) -> Replay:
+    replayer = Replay(sessions if sessions is not None else {}, {})
+    for record in jr.scan(segment_of(*records)).records:
+        replayer.apply(record)
+    replayer.finish()
+    return replayer
+
+
+def test_replay_rebuilds_a_session_exactly_as_the_live_one():
+    live = Session("session-a1", KEY, {"task": "t"}, created_at=3.0)
+    records = [jr.create_record("session-a1", KEY, 3.0, {"task": "t"})]
+    for i in range(3):
+        record = turn("session-a1", i, base=20 * i)
+        body = jr.scan(record).records[0]
+        live.append_turn(
+            body.turn.new_input_ids,
+            body.turn.output_ids,
+            body.turn.output_logprobs,
+            message_count=2 * (i + 1),
+            history_digest=bytes([i]) * 32,
+            stopped=True,
+            stop_token=body.turn.output_ids[-1],
+            model_version=i,
+            version_changes=[(1, i + 1)],
+            temperature=0.7,
+            tempered=True,
+        )
+        records.append(record)
+    live.set_reward(0.25, 1)
+    live.finished = True
+    records += [jr.reward_record("session-a1", KEY, 0.25, 1), jr.finish_record("session-a1", KEY)]
+    rebuilt = replay(records).sessions["session-a1"]
+    assert rebuilt.copied_record() == live.copied_record() or _same(rebuilt, live)
+
+
+def _same(a: Session, b: Session) -> bool:
+    ra, rb = a.copied_record(), b.copied_record()
+    for name in ra.__dataclass_fields__:
+        va, vb = getattr(ra, name), getattr(rb, name)
+        if name == "turn_temperatures":
+            assert [round(x, 5) for x in va] == [round(x, 5) for x in vb]
+        elif not (isinstance(va, float) and math.isnan(va)):
+            assert va == vb, name
+    return True
+
+
+def test_replay_over_a_newer_snapshot_is_a_no_op_for_what_it_holds():
+    records = [jr.create_record("session-a1", KEY, 1.0, {})] + [turn("session-a1", i) for i in range(3)]
+    full = replay(records).sessions["session-a1"]
+    snapshot = Session.from_record(full.copied_record())
+    again = replay(records, {"session-a1": snapshot}).sessions["session-a1"]
+    assert again.num_turns == 3 and again.token_ids == full.token_ids
+
+
+def test_a_reused_id_never_takes_the_records_of_its_predecessor():
+    records = [
+        jr.create_record("session-a1", KEY, 1.0, {}),
+        turn("session-a1", 0),
+        jr.end_record("session-a1", KEY, "deleted"),
+        jr.create_record("session-a1", OTHER_KEY, 2.0, {}),
+        turn("session-a1", 0, key=OTHER_KEY, base=50),
+    ]
+    result = replay(records)
+    session = result.sessions["session-a1"]
+    assert session.key_digest == OTHER_KEY and session.token_ids[0] == 50 and not result.lost
+
+
+def test_a_missing_turn_makes_the_session_lost_not_wrong():
+    records = [jr.create_record("session-a1", KEY, 1.0, {}), turn("session-a1", 0), turn("session-a1", 2)]
+    result = replay(records)
+    assert "session-a1" not in result.sessions and "turn 1 is missing" in result.lost["session-a1"]
+
+
+def test_records_without_their_start_are_lost_unless_the_session_ended():
+    ended = replay([turn("session-e1", 4), jr.end_record("session-e1", KEY, "exported")])
+    assert not ended.sessions and not ended.lost
+    orphan = replay([turn("session-o1", 4)])
+    assert not orphan.sessions and "session-o1" in orphan.lost
+
+
+async def test_group_commit_shares_syncs_and_files_hold_every_record(tmp_path):
+    health = StorageHealth()
+    journal = Journal(journal_dir(tmp_path), health)
+    await journal.open(0)
+    records = [jr.create_record(f"session-{i:04d}", KEY, 1.0, {}) for i in range(200)]
+    await asyncio.gather(*(journal.write(r) for r in records))
+    await journal.close()
+    assert journal.stats.syncs < 200  # committed in groups, not one fsync each
+    ((seq, path),) = list_segments(journal_dir(tmp_path))
+    assert seq == 1 and path.read_bytes() == b"".join(records)
+
+
+async def test_a_failed_write_refuses_commits_and_appends_until_storage_recovers(tmp_path):
+    health = StorageHealth()
+    journal = Journal(journal_dir(tmp_path), health)
+    await journal.open(0)
+    await journal.write(jr.create_record("session-a1", KEY, 1.0, {}))
+    # The segment's directory disappears (as a volume does): the next new segment cannot be created.
+    journal.rotate()
+    for _, path in list_segments(journal_dir(tmp_path)):
+        path.unlink()
+    journal_dir(tmp_path).rmdir()
+    with pytest.raises(ProxyError) as failed:
+        await journal.write(jr.create_record("session-b1", KEY, 1.0, {}))
+    assert failed.value.status == 503 and failed.value.code == "storage_unavailable"
+    assert not health.ok and "journal write failed" in health.reason
+    with pytest.raises(ProxyError):
+        journal.append(jr.create_record("session-c1", KEY, 1.0, {}))
+    journal_dir(tmp_path).mkdir()
+    health.recover()
+    await journal.write(jr.create_record("session-d1", KEY, 1.0, {}))
+    await journal.close()
+    ids = [
+        r.session_id for _, p in list_segments(journal_dir(tmp_path)) for r in jr.scan(p.read_bytes()).records
+    ]
+    assert ids == ["session-d1"]
+
+
+def _snapshot(dump_dir: Path, sid: str, turns: int) -> None:
+    records = [jr.create_record(sid, KEY, 1.0, {})] + [turn(sid, i) for i in range(turns)]
+    session = replay(records).sessions[sid]
+    write_session_dump(dump_dir, LIVE_AREA, session.copied_record(), "snapshot")
+
+
+def test_restore_is_snapshots_plus_replay_and_deletes_nothing(tmp_path):
+    _snapshot(tmp_path, "session-a1", 2)
+    segment = journal_dir(tmp_path) / "000000000001.wal"
+    segment.parent.mkdir(parents=True)
+    segment.write_bytes(
+        segment_of(
+            turn("session-a1", 1),  # already in the snapshot
+            turn("session-a1", 2),
+            jr.create_record("session-b1", KEY, 2.0, {}),
+            turn("session-b1", 0),
+        )
+        + turn("session-b1", 1)[:-3]  # torn: never acknowledged
+    )
+    result = recover(tmp_path)
+    assert result.sessions["session-a1"].num_turns == 3 and result.sessions["session-b1"].num_turns == 1
+    assert not result.lost and not result.quarantined and result.last_seq == 1
+    assert segment.exists() and (tmp_path / LIVE_AREA / "session-a1.safetensors").exists()
+
+
+def test_restore_moves_altered_snapshots_to_corrupt_and_reports_their_sessions_lost(tmp_path):
+    _snapshot(tmp_path, "session-a1", 1)
+    _snapshot(tmp_path, "session-b1", 1)
+    _snapshot(tmp_path, "session-c1", 1)
+    live = tmp_path / LIVE_AREA
+    data = bytearray((live / "session-a1.safetensors").read_bytes())
+    data[-5] ^= 0x01  # a flipped bit in the tensor data: the checksum catches it
+    (live / "session-a1.safetensors").write_bytes(bytes(data))
+    (live / "session-b1.safetensors").rename(live / "session-x1.safetensors")  # header id != file name
+    result = recover(tmp_path)
+    assert set(result.sessions) == {"session-c1"}
+    assert set(result.lost) == {"session-a1", "session-x1"}
+    assert len(list((tmp_path / "corrupt").iterdir())) == 2 and sorted(p.name for p in live.iterdir()) == [
+        "session-c1.safetensors"
+    ]
+    assert load_session_file(live / "session-c1.safetensors").session_id == "session-c1"
