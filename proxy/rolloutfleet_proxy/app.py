@@ -7,6 +7,7 @@ import math
 from contextlib import asynccontextmanager
 from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -48,6 +49,9 @@ from .settings import ProxySettings, effective_settings
 from .stats import StatsCollector, recent_rss_bytes
 from .trainer_routes import add_trainer_routes
 
+# Exports hold rewards as float32: anything larger would become inf there.
+MAX_REWARD = float(np.finfo(np.float32).max)
+
 
 def bearer_key(request: Request) -> str | None:
     header = request.headers.get("authorization", "")
@@ -70,7 +74,10 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         finally:
             await runtime.stop()
 
-    app = FastAPI(title="RolloutFleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No slash redirects: a 307 with an empty body is no answer for an API client; a JSON 404 is.
+    app = FastAPI(
+        title="RolloutFleet proxy", lifespan=lifespan, docs_url=None, redoc_url=None, redirect_slashes=False
+    )
     app.state.runtime = runtime
 
     def is_admin(key: str) -> bool:
@@ -158,7 +165,8 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             raise bad_request("invalid_body", "the request body must be a JSON object")
         if runtime.gauges.draining or not runtime.started:
             raise unavailable("draining", "this proxy is not taking new sessions; use another one", 2)
-        session_id = body.get("session_id") or new_session_id()
+        session_id = body.get("session_id")
+        session_id = new_session_id() if session_id is None else session_id  # "", 0, false are errors
         if not isinstance(session_id, str) or not is_valid_session_id(session_id):
             raise bad_request("invalid_session_id", f"session ids are {SESSION_ID_RULE}")
         metadata = body.get("metadata")
@@ -244,8 +252,13 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         if not isinstance(body, dict):
             raise bad_request("invalid_body", "the request body must be a JSON object")
         value = body.get("reward")
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise bad_request("invalid_reward", "reward must be a finite number")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+            or abs(value) > MAX_REWARD
+        ):
+            raise bad_request("invalid_reward", f"reward must be a finite number within ±{MAX_REWARD:.6g}")
         turn = body.get("turn")
         if turn is not None and (
             isinstance(turn, bool) or not isinstance(turn, int) or not 0 <= turn < session.num_turns

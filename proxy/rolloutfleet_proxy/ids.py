@@ -8,8 +8,9 @@ import re
 import secrets
 
 # A fixed, path-safe alphabet: no dots or slashes, so no id can name a path outside the dump directory.
-SESSION_ID_RE = re.compile(r"[A-Za-z0-9_-]{8,64}")
-SESSION_ID_RULE = "8 to 64 characters from A-Z, a-z, 0-9, '_' and '-'"
+# Not starting with '-': an id is also a file name and a command-line argument in operators' hands.
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{7,63}")
+SESSION_ID_RULE = "8 to 64 characters from A-Z, a-z, 0-9, '_' and '-', not starting with '-'"
 
 
 def is_valid_session_id(session_id: str) -> bool:
@@ -17,7 +18,9 @@ def is_valid_session_id(session_id: str) -> bool:
 
 
 def new_session_id() -> str:
-    return secrets.token_urlsafe(16)  # 22 characters of the allowed alphabet
+    """22 characters of the allowed alphabet (a leading '-' becomes '_')."""
+    session_id = secrets.token_urlsafe(16)
+    return "_" + session_id[1:] if session_id.startswith("-") else session_id
 
 
 def new_session_key() -> str:
