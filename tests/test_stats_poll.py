@@ -177,3 +177,27 @@ def test_parse_stats(body, expected):
 def test_stats_url():
     assert stats_url("10.1.2.3", 8000) == "http://10.1.2.3:8000/stats"
     assert stats_url("fd00::5", 8000) == "http://[fd00::5]:8000/stats"
+
+
+def test_a_proxy_that_cannot_persist_is_named_in_the_storage_condition():
+    from rolloutfleet_operator.stats_poll import parse_stats
+    from rolloutfleet_operator.watchdog import PollFailure, RssSample, storage_condition
+
+    failing = parse_stats(
+        b'{"rss_bytes": 5, "storage": {"writable": false, "reason": "OSError: [Errno 30] Read-only file system"}}'
+    )
+    healthy = parse_stats(b'{"rss_bytes": 7, "storage": {"writable": true, "reason": ""}}')
+    assert failing == RssSample(5, "OSError: [Errno 30] Read-only file system")
+    assert healthy == RssSample(7, None)
+    condition = storage_condition(
+        {"f-proxy-1": failing, "f-proxy-0": healthy, "f-proxy-2": PollFailure("HTTP 503")}
+    )
+    assert (condition.type, condition.status, condition.reason) == (
+        "StorageWritable",
+        "False",
+        "CannotPersist",
+    )
+    assert "f-proxy-1 (OSError: [Errno 30] Read-only file system)" in condition.message
+    assert "f-proxy-0" not in condition.message
+    assert storage_condition({"f-proxy-0": healthy}).status == "True"
+    assert storage_condition({"f-proxy-0": PollFailure("refused")}).status == "Unknown"

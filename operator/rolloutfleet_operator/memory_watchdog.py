@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from . import metrics, watchdog
+from .conditions import set_condition
 from .fleet import Fleet, proxy_ordinal, selector_string
 from .kubeapi import KubeApi, fleet_path, resource_path
 from .plan import ProxyPodView, proxy_pod_view
@@ -130,7 +131,7 @@ class FleetWatchdog:
                 self.state = watchdog.record_restart(self.state, restart.pod, restart.rss_bytes, now, spec)
                 restarts.append((restart, self._now_rfc3339()))
         self._report_holds(fleet, by_name, decision, now)
-        await self._write_status(fleet, decision, restarts)
+        await self._write_status(fleet, decision, restarts, samples)
 
     def _record_samples(self, fleet: Fleet, samples: Mapping[str, watchdog.Sample]) -> None:
         for pod in self._rss_series - set(samples):  # no series for pods that are gone or not polled
@@ -185,7 +186,11 @@ class FleetWatchdog:
         self._holds = {pod: hold.reason for pod, hold in current.items()}
 
     async def _write_status(
-        self, fleet: Fleet, decision: watchdog.Decision, restarts: list[tuple[watchdog.Restart, str]]
+        self,
+        fleet: Fleet,
+        decision: watchdog.Decision,
+        restarts: list[tuple[watchdog.Restart, str]],
+        samples: Mapping[str, watchdog.Sample],
     ) -> None:
         async with self.status_lock:
             current = await self._call(self.api.get, fleet_path(fleet.namespace, fleet.name))
@@ -193,9 +198,14 @@ class FleetWatchdog:
                 return
             status = current.get("status") or {}
             update: dict[str, Any] = {}
+            now = self._now_rfc3339()
             conditions = watchdog.with_memory_condition(
-                status.get("conditions") or [], decision, self._now_rfc3339(), fleet.generation
+                status.get("conditions") or [], decision, now, fleet.generation
             )
+            if decision.enabled:  # the polls that report storage are the watchdog's
+                conditions = set_condition(
+                    conditions, watchdog.storage_condition(samples, fleet.generation), now
+                )
             if conditions != (status.get("conditions") or []):
                 update["conditions"] = conditions
             memory_restarts = status.get("memoryRestarts")

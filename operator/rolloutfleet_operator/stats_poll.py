@@ -91,7 +91,11 @@ def parse_stats(body: bytes) -> Sample:
     # bool is an int in Python, but `true` is no byte count.
     if not isinstance(rss, int) or isinstance(rss, bool) or rss < 0:
         return PollFailure(f"answer has no non-negative integer {RSS_FIELD}")
-    return RssSample(rss)
+    storage = document.get("storage")
+    storage_error = None
+    if isinstance(storage, dict) and storage.get("writable") is False:
+        storage_error = _short(str(storage.get("reason") or "its dump volume refuses writes"))
+    return RssSample(rss, storage_error)
 
 
 def _short(text: str) -> str:

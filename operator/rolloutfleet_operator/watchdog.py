@@ -50,6 +50,7 @@ from .fleet import MemorySpec
 from .plan import ProxyPodView
 
 MEMORY_PRESSURE = "MemoryPressure"
+STORAGE_WRITABLE = "StorageWritable"
 # From this many failed polls in a row, a proxy's poll failures show in the condition.
 REPORTED_POLL_FAILURES = 3
 # 2**64 times any cooldown is beyond every cap; bounding the exponent keeps the numbers small.
@@ -67,9 +68,10 @@ DRY_RUN: HoldReason = "DryRun"
 
 @dataclass(frozen=True)
 class RssSample:
-    """A successful poll: the RSS the proxy reported."""
+    """A successful poll: the RSS the proxy reported, and why it cannot persist (None: it can)."""
 
     rss_bytes: int
+    storage_error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -434,6 +436,37 @@ def memory_condition(decision: Decision, generation: int = 0) -> Condition:
     if decision.poll_failures:
         return Condition(MEMORY_PRESSURE, "Unknown", "PollFailures", message, "", generation)
     return Condition(MEMORY_PRESSURE, "False", "WithinBudget", message, "", generation)
+
+
+def storage_condition(samples: Mapping[str, Sample], generation: int = 0) -> Condition:
+    """The fleet's StorageWritable condition from the proxies' own reports (their /stats `storage`):
+    False (CannotPersist) naming each proxy whose dump volume refuses writes and why (those proxies
+    refuse new sessions and turns with 503 until it recovers), True (Writable) otherwise, Unknown
+    (NotPolled) when no proxy answered."""
+    answered = {pod: s for pod, s in samples.items() if isinstance(s, RssSample)}
+    failing = sorted((pod, s.storage_error) for pod, s in answered.items() if s.storage_error)
+    if failing:
+        items = [f"{pod} ({why})" for pod, why in failing]
+        return Condition(
+            STORAGE_WRITABLE,
+            "False",
+            "CannotPersist",
+            f"cannot write their dumps: {_listed(items)}",
+            "",
+            generation,
+        )
+    if not answered:
+        return Condition(
+            STORAGE_WRITABLE, "Unknown", "NotPolled", "no proxy answered a stats poll", "", generation
+        )
+    return Condition(
+        STORAGE_WRITABLE,
+        "True",
+        "Writable",
+        f"all {len(answered)} polled proxies can persist",
+        "",
+        generation,
+    )
 
 
 def with_memory_condition(
