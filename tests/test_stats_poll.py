@@ -184,7 +184,8 @@ def test_a_proxy_that_cannot_persist_is_named_in_the_storage_condition():
     from rolloutfleet_operator.watchdog import PollFailure, RssSample, storage_condition
 
     failing = parse_stats(
-        b'{"rss_bytes": 5, "storage": {"writable": false, "reason": "OSError: [Errno 30] Read-only file system"}}'
+        b'{"rss_bytes": 5, "storage": {"writable": false, '
+        b'"reason": "OSError: [Errno 30] Read-only file system"}}'
     )
     healthy = parse_stats(b'{"rss_bytes": 7, "storage": {"writable": true, "reason": ""}}')
     assert failing == RssSample(5, "OSError: [Errno 30] Read-only file system")
