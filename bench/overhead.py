@@ -41,6 +41,20 @@ from common import (
 )
 
 PROMPT_IDS = list(range(3, 53))  # 50 tokens, as a short first-turn prompt
+# The journal's modes; `none` is a proxy without a dump directory (no journal: the baseline).
+DURABILITY_FLAGS = {
+    "sync": ["--durability", "sync"],
+    "async": ["--durability", "async"],
+    "none": ["--dump-dir", "null", "--allow-dropping-sessions"],
+}
+
+
+def _stats(url: str) -> dict:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/stats") as response:
+        return json.loads(response.read())
 
 
 @dataclass
@@ -143,6 +157,7 @@ def run_one(
     output_tokens: int,
     log_requests: bool,
     tokenizer: Path | None = None,
+    durability: str = "sync",
 ) -> dict:
     """One K: the same closed-loop load straight to the stand-in, then through a fresh proxy."""
     me = psutil.Process()
@@ -154,6 +169,7 @@ def run_one(
         direct = summarize(measured, sessions, latency_s)
         flags = ["--upstream-max-connections", str(max(1024, sessions * 2))]
         flags.append("--log-requests" if log_requests else "--no-log-requests")
+        flags += DURABILITY_FLAGS[durability]
         with proxy_process(work, stub, *flags, tokenizer=tokenizer) as (proxy, proxy_process_):
             progress(f"K={sessions}: through the proxy, {sessions * turns} turns")
             processes = {"proxy": proxy_process_, "upstream_stub": stub_process, "load_generator": me}
@@ -163,6 +179,17 @@ def run_one(
             )
             used = {name: cpu_seconds(p) - before[name] for name, p in processes.items()}
             through = summarize(measured, sessions, latency_s)
+            stats = _stats(proxy)
+            if durability != "none":
+                journal = stats["journal"]
+                through.update(
+                    journal_bytes_written=journal["bytes_written"],
+                    journal_syncs=journal["syncs"],
+                    journal_bytes_per_held_token=round(
+                        journal["bytes_written"] / max(1, stats["tokens_held"]), 2
+                    ),
+                    journal_commit_wait_mean_ms=journal["commit_wait_mean_ms"],
+                )
     through.update(
         proxy_cpu_seconds=round(used["proxy"], 2),
         proxy_cpu_us_per_turn=round(used["proxy"] / max(1, len(measured.latencies)) * 1e6),
@@ -174,6 +201,7 @@ def run_one(
         "upstream_latency_s": latency_s,
         "output_tokens": output_tokens,
         "log_requests": log_requests,
+        "durability": durability,
         "direct": direct,
         "proxy": through,
         "added_latency_p50_ms": round(through["latency_p50_ms"] - direct["latency_p50_ms"], 1),
@@ -259,6 +287,13 @@ def main() -> None:
         "the order reversed every other round",
     )
     parser.add_argument("--rounds", type=int, default=1, help="repeat every K and tokenizer this many times")
+    parser.add_argument(
+        "--durability",
+        nargs="+",
+        default=["sync"],
+        choices=sorted(DURABILITY_FLAGS),
+        help="journal modes to run for each K (none: no dump directory, the no-journal baseline)",
+    )
     args = parser.parse_args()
     load_average = os.getloadavg()[0]
     progress(f"1-minute load average at start: {load_average:.2f}")
@@ -277,19 +312,23 @@ def main() -> None:
             for k in args.sessions:
                 order = list(tokenizers) if round_ % 2 == 0 else list(reversed(tokenizers))
                 for name in order:
-                    progress(f"round {round_}, K={k}, tokenizer {name}")
-                    result = run_one(
-                        work,
-                        k,
-                        args.turns,
-                        args.latency_s,
-                        args.output_tokens,
-                        not args.no_log_requests,
-                        tokenizers[name],
-                    )
-                    runs.append({"round": round_, "tokenizer": name, **result})
+                    for durability in args.durability:
+                        progress(f"round {round_}, K={k}, tokenizer {name}, durability {durability}")
+                        result = run_one(
+                            work,
+                            k,
+                            args.turns,
+                            args.latency_s,
+                            args.output_tokens,
+                            not args.no_log_requests,
+                            tokenizers[name],
+                            durability,
+                        )
+                        runs.append({"round": round_, "tokenizer": name, **result})
     families = [name for name in tokenizers if name != "test"]
     suffix = ("-nolog" if args.no_log_requests else "") + "".join(f"-{name}" for name in families)
+    if args.durability != ["sync"]:
+        suffix += "-durability"
     save_result(
         "overhead" + suffix,
         {

@@ -201,3 +201,50 @@ async def wait_for_log(process: ServerProcess, text: str, timeout_s: float) -> N
             return
         await asyncio.sleep(0.001)
     raise AssertionError(f"{text!r} not logged within {timeout_s} s:\n{process.log_tail()}")
+
+
+async def test_an_exported_batch_survives_sigkill_until_acknowledged(
+    engine_url, test_tokenizer_dir, tmp_path
+):
+    dumps = tmp_path / "dumps"
+    process, url = spawn(engine_url, test_tokenizer_dir, dumps, tmp_path / "first.log")
+    process.wait_ready(f"{url}/readyz", 90)
+    async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+        finished = []
+        for i in range(3):
+            created = (await client.post("/v1/sessions", headers=ADMIN)).json()
+            auth = {"Authorization": f"Bearer {created['session_key']}"}
+            sid = created["session_id"]
+            turn = await client.post(
+                f"/v1/sessions/{sid}/chat/completions",
+                headers=auth,
+                json=chat_body([{"role": "user", "content": f"task {i}"}], max_tokens=4),
+            )
+            assert turn.status_code == 200
+            assert (await client.post(f"/v1/sessions/{sid}/finish", headers=auth)).status_code == 200
+            finished.append((sid, auth))
+        exported = await client.post("/v1/exports", headers=ADMIN, json={"max_trajectories": 2})
+        assert exported.status_code == 201
+        batch_id = exported.headers["x-rolloutfleet-batch-id"]
+    kill(process)
+
+    process, url = spawn(engine_url, test_tokenizer_dir, dumps, tmp_path / "second.log")
+    try:
+        process.wait_ready(f"{url}/readyz", 90)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            again = await client.get(f"/v1/exports/{batch_id}", headers=ADMIN)
+            assert again.status_code == 200 and again.content == exported.content
+            stats = (await client.get("/stats")).json()
+            # The two exported sessions are in the batch only (not live twice); the third is ready.
+            assert stats["ready_trajectories"] == 1 and stats["live_sessions"] == 1
+            assert (await client.post(f"/v1/exports/{batch_id}/ack", headers=ADMIN)).status_code == 200
+    finally:
+        kill(process)
+    process, url = spawn(engine_url, test_tokenizer_dir, dumps, tmp_path / "third.log")
+    try:
+        process.wait_ready(f"{url}/readyz", 90)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            gone = await client.get(f"/v1/exports/{batch_id}", headers=ADMIN)
+        assert gone.status_code == 404  # acknowledged before the kill: not offered again
+    finally:
+        assert process.terminate() == 0

@@ -244,3 +244,48 @@ def test_restore_moves_altered_snapshots_to_corrupt_and_reports_their_sessions_l
         "session-c1.safetensors"
     ]
     assert load_session_file(live / "session-c1.safetensors").session_id == "session-c1"
+
+
+def test_a_session_lost_in_a_restart_answers_410_session_lost_not_404(
+    sglang_emulator_url, test_tokenizer_dir, tmp_path
+):
+    import httpx
+    from proxy_harness import running_proxy
+
+    dumps = tmp_path / "dumps"
+    with running_proxy(sglang_emulator_url, test_tokenizer_dir, dumps) as proxy:
+        sid, key = proxy.create_session()
+        kept, kept_key = proxy.create_session()
+    snapshot = dumps / LIVE_AREA / f"{sid}.safetensors"
+    data = bytearray(snapshot.read_bytes())
+    data[-1] ^= 0x01  # altered on disk after the drain
+    snapshot.write_bytes(bytes(data))
+    with running_proxy(sglang_emulator_url, test_tokenizer_dir, dumps) as proxy:
+        lost = httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {key}"})
+        assert lost.status_code == 410 and lost.json()["error"]["code"] == "session_lost"
+        assert "snapshot failed verification" in lost.json()["error"]["message"]
+        assert (
+            httpx.get(
+                f"{proxy.url}/v1/sessions/{kept}", headers={"Authorization": f"Bearer {kept_key}"}
+            ).status_code
+            == 200
+        )
+        stats = proxy.stats()
+        assert stats["sessions_lost"] == 1 and stats["totals"]["restore_failures"] == 1
+        unknown = httpx.get(f"{proxy.url}/v1/sessions/never-existed", headers={"Authorization": "Bearer x"})
+        assert unknown.status_code == 404
+    # Still known as lost after a further restart (lost-sessions.json), and the altered file is kept aside.
+    with running_proxy(sglang_emulator_url, test_tokenizer_dir, dumps) as proxy:
+        again = httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {key}"})
+        assert again.status_code == 410 and again.json()["error"]["code"] == "session_lost"
+    assert len(list((dumps / "corrupt").iterdir())) == 1
+
+
+async def test_async_durability_acknowledges_at_once_and_syncs_within_the_window(tmp_path):
+    journal = Journal(journal_dir(tmp_path), StorageHealth(), durability="async", flush_interval_s=0.05)
+    await journal.open(0)
+    assert journal.append(jr.create_record("session-a1", KEY, 1.0, {})) is None  # nothing to wait for
+    await asyncio.sleep(0.3)
+    ((_, path),) = list_segments(journal_dir(tmp_path))
+    assert [r.session_id for r in jr.scan(path.read_bytes()).records] == ["session-a1"]
+    await journal.close()

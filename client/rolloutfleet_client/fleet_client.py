@@ -66,6 +66,7 @@ from .placement import LEAST_LOADED, POLICIES, choose_endpoint
 from .retry import (
     DELETE,
     READ,
+    SESSION_LOST_CODE,
     TURN,
     WRITE,
     Action,
@@ -391,6 +392,8 @@ class FleetClient:
                 elif verdict.action is Action.FATAL:
                     if response.status_code == 410:
                         self._release(session)
+                        if code == SESSION_LOST_CODE:  # journaled, but its owner could not rebuild it
+                            raise SessionLost(sid, owner, f"410 {code}: {message}")
                         raise SessionEnded(sid, owner, code, message)
                     raise ProxyRequestError(url, response.status_code, code, message, sid)
                 retry_after = retry_after_s(response.headers.get("retry-after"))

@@ -21,6 +21,10 @@ read or write timeout                                    FATAL (the proxy is ali
                                                          not 200 -> WAIT (a replacement restoring),
                                                          200 -> the session is lost
 410 (``session_gone``, ``session_deleted``)              FATAL: the session has ended
+410 ``session_lost``                                     FATAL (``SessionLost``): journaled, but the
+                                                         owner's restart could not rebuild it
+503 ``storage_unavailable``                              WAIT (the owner cannot persist right now;
+                                                         nothing was recorded)
 409, 400, 401, 413, 504, 500, anything else              FATAL, with the proxy's message
 =======================================================  ===========================================
 
@@ -47,6 +51,10 @@ import enum
 from dataclasses import dataclass
 
 import httpx
+
+# The proxy's code for a session its restart could not rebuild (rolloutfleet_proxy.errors.SESSION_LOST;
+# one shared vocabulary for both packages is issue #16).
+SESSION_LOST_CODE = "session_lost"
 
 
 class Action(enum.Enum):
