@@ -87,6 +87,9 @@ def end_of_generation_ids(tokenizer_path: str | os.PathLike, eos_token_id: int |
     return frozenset(ids)
 
 
+FAST_ENCODE_CHARS = 16 * 1024
+
+
 class TurnTokenizer:
     def __init__(
         self,
@@ -141,7 +144,14 @@ class TurnTokenizer:
         )
 
     def encode(self, text: str) -> array:
-        return array("i", self._backend.encode(text, add_special_tokens=False).ids)
+        if len(text) < FAST_ENCODE_CHARS:
+            return array("i", self._backend.encode(text, add_special_tokens=False).ids)
+        # Large texts: the batch path releases the GIL while it works (a single `encode` holds it for
+        # seconds on megabytes, stalling the event loop even from a worker thread), and the fast
+        # variant skips offsets, which cost ~200 bytes per token. Measured on 2 MiB (1.1M tokens):
+        # 1.2 s instead of 2.5 s, +17 MiB instead of +346 MiB, loop gaps 34 ms instead of 2.3 s.
+        (encoding,) = self._backend.encode_batch_fast([text], add_special_tokens=False)
+        return array("i", encoding.ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
