@@ -91,6 +91,14 @@ def test_every_error_code_is_documented(doc):
                 code = node.args[position]
                 if isinstance(code, ast.Constant) and isinstance(code.value, str):
                     codes.setdefault(code.value, path.name)
-    assert {"invalid_tools", "unknown_tool_call_id", "template_error"} <= set(codes)
+    # The shared codes named as constants in errors.py (clients act on them).
+    for node in ast.parse((package / "errors.py").read_text(encoding="utf-8")).body:
+        if (
+            isinstance(node, ast.Assign)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):
+            codes.setdefault(node.value.value, "errors.py")
+    assert {"invalid_tools", "unknown_tool_call_id", "template_error", "session_lost"} <= set(codes)
     missing = sorted(f"{code} ({source})" for code, source in codes.items() if f"`{code}`" not in doc)
     assert not missing, f"error codes missing from {DOC.name}: {missing}"
