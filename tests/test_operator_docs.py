@@ -190,6 +190,13 @@ def produced_conditions() -> set[tuple[str, str]]:
     state = watchdog.observe(watchdog.FleetMemoryState(), {"f-proxy-0": watchdog.RssSample(200)}, 0.0, SPEC)
     condition = watchdog.memory_condition(watchdog.decide(state, [pod(0)], 0.0, SPEC, desired=1))
     pairs.add((condition.type, condition.reason))
+    for samples in (
+        {"f-proxy-0": watchdog.RssSample(200)},
+        {"f-proxy-0": watchdog.RssSample(200, "OSError: [Errno 28] No space left on device")},
+        {"f-proxy-0": watchdog.PollFailure("refused")},
+    ):
+        condition = watchdog.storage_condition(samples)
+        pairs.add((condition.type, condition.reason))
     return pairs
 
 
@@ -210,7 +217,7 @@ def literal_reasons(path: Path) -> set[str]:
 def test_the_scenarios_reach_every_condition_the_code_writes():
     pairs = produced_conditions()
     types = {t for t, _ in pairs}
-    assert types == {*FLEET_CONDITION_TYPES, watchdog.MEMORY_PRESSURE}
+    assert types == {*FLEET_CONDITION_TYPES, watchdog.MEMORY_PRESSURE, watchdog.STORAGE_WRITABLE}
     literals = literal_reasons(OPERATOR / "conditions.py") | literal_reasons(OPERATOR / "watchdog.py")
     assert len(literals) >= 20
     unreached = literals - {r for _, r in pairs}

@@ -44,6 +44,7 @@ DEFAULTS: dict[str, Any] = {
     "proxy.drainGraceSeconds": 25,
     "proxy.terminationGracePeriodSeconds": 60,
     "proxy.dump.path": "/var/lib/rolloutfleet/dumps",
+    "proxy.dump.durability": "sync",
     "proxy.memory.rssBudgetBytes": 0,
     "proxy.memory.checkIntervalSeconds": 15,
     "proxy.memory.consecutiveSamples": 3,
@@ -99,6 +100,7 @@ class TokenizerSpec:
 @dataclass(frozen=True)
 class DumpSpec:
     path: str
+    durability: str  # the proxies' journal mode: "sync" (default) or "async"
     persistent_volume_claim: dict[str, Any] | None
     host_path: dict[str, Any] | None
     empty_dir: dict[str, Any] | None  # None when another source is set; {} is the default
@@ -237,6 +239,7 @@ def _parse_dump(raw: Mapping[str, Any]) -> DumpSpec:
         empty = {}
     return DumpSpec(
         path=_get(raw, "path", "proxy.dump.path"),
+        durability=_get(raw, "durability", "proxy.dump.durability"),
         persistent_volume_claim=_copy_dict(pvc) if pvc is not None else None,
         host_path=_copy_dict(host) if host is not None else None,
         empty_dir=_copy_dict(empty) if empty is not None else None,

@@ -151,6 +151,7 @@ def _proxy_env(fleet: Fleet, pod_name: str, public_url: str) -> list[Manifest]:
         _env(ENV["stale_session_timeout_s"], proxy.stale_session_timeout_s),
         _env(ENV["cleanup_interval_s"], proxy.cleanup_interval_s),
         _env(ENV["dump_dir"], f"{proxy.dump.path.rstrip('/')}/{pod_name}"),
+        _env(ENV["durability"], proxy.dump.durability),
         _env(ENV["drain_grace_s"], proxy.drain_grace_s),
         _env(ENV["public_url"], public_url),
         _env(ENV["export_ttl_s"], proxy.export_ttl_s),
