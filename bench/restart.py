@@ -17,12 +17,12 @@ import time
 from array import array
 from pathlib import Path
 
-from common import progress, proxy_args, save_result
+from common import IMAGES, progress, proxy_args, save_figure, save_result
 from rolloutfleet_proxy import journal_records as jr
+from rolloutfleet_proxy.dumps import LIVE_AREA, write_session_dump
 from rolloutfleet_proxy.ids import key_digest
 from rolloutfleet_proxy.journal import journal_dir, segment_path
 from rolloutfleet_proxy.recovery import recover
-from rolloutfleet_proxy.settings import ProxySettings  # noqa: F401 (the proxy's settings load here too)
 from rolloutfleet_testkit.processes import ServerProcess, free_port
 
 ADMIN_KEY = "bench-admin-key"
@@ -112,43 +112,71 @@ async def time_until_ready(dump_dir: Path, work: Path, label: str) -> dict:
     }
 
 
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for case, label in (
+        ("journal-only", "after SIGKILL (journal replay)"),
+        ("snapshots", "after compaction (snapshots)"),
+    ):
+        points = sorted(
+            (r["sessions"], r["seconds_until_ready"], r["restore_seconds"]) for r in runs if r["case"] == case
+        )
+        xs = [p[0] for p in points]
+        ax.plot(xs, [p[1] for p in points], marker="o", label=f"{label}: spawn to ready")
+        ax.plot(xs, [p[2] for p in points], marker="x", linestyle="--", label=f"{label}: restore alone")
+    ax.axhline(5.0, color="k", linestyle=":", linewidth=1, label="goal 5 s")
+    ax.set_xlabel("sessions held (2,000 tokens each)")
+    ax.set_ylabel("seconds")
+    ax.set_title("Restart time")
+    ax.legend(fontsize="small")
+    save_figure(fig, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sessions", type=int, default=5000)
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1000, 2500, 5000])
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--turns", type=int, default=4)
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="rf-bench-restart-") as tmp:
-        work = Path(tmp)
-        dumps = work / "dumps"
-        progress(f"writing the journal of {args.sessions} sessions x {args.tokens} tokens")
-        journal_bytes = write_killed_journal(dumps, args.sessions, args.tokens, args.turns)
-        progress(f"journal: {journal_bytes / 2**20:.1f} MiB")
-        results = [asyncio.run(time_until_ready(dumps, work, "journal-only"))]
-        progress(f"journal only: ready after {results[-1]['seconds_until_ready']} s")
-        # Compact it as a running proxy would (snapshots in live/, segments retired), then again.
-        from rolloutfleet_proxy.dumps import LIVE_AREA, write_session_dump
-
-        recovered = recover(dumps)
-        for session in recovered.sessions.values():
-            write_session_dump(dumps, LIVE_AREA, session.copied_record(), "snapshot")
-        for path in journal_dir(dumps).iterdir():
-            path.unlink()
-        del recovered
-        results.append(asyncio.run(time_until_ready(dumps, work, "snapshots")))
-        progress(f"snapshots: ready after {results[-1]['seconds_until_ready']} s")
+    runs = []
+    journal_sizes = {}
+    for sessions in args.sessions:
+        with tempfile.TemporaryDirectory(prefix="rf-bench-restart-") as tmp:
+            work = Path(tmp)
+            dumps = work / "dumps"
+            progress(f"writing the journal of {sessions} sessions x {args.tokens} tokens")
+            journal_bytes = write_killed_journal(dumps, sessions, args.tokens, args.turns)
+            journal_sizes[sessions] = journal_bytes
+            progress(f"journal: {journal_bytes / 2**20:.1f} MiB")
+            runs.append({"sessions": sessions, **asyncio.run(time_until_ready(dumps, work, "journal-only"))})
+            progress(f"journal only: ready after {runs[-1]['seconds_until_ready']} s")
+            # Compacted as a running proxy would: snapshots in live/, segments retired.
+            recovered = recover(dumps)
+            for session in recovered.sessions.values():
+                write_session_dump(dumps, LIVE_AREA, session.copied_record(), "snapshot")
+            for path in journal_dir(dumps).iterdir():
+                path.unlink()
+            del recovered
+            runs.append({"sessions": sessions, **asyncio.run(time_until_ready(dumps, work, "snapshots"))})
+            progress(f"snapshots: ready after {runs[-1]['seconds_until_ready']} s")
+    largest = max(args.sessions)
     save_result(
         "restart",
         {
-            "sessions": args.sessions,
             "tokens_per_session": args.tokens,
             "turns_per_session": args.turns,
-            "journal_bytes": journal_bytes,
-            "journal_bytes_per_token": round(journal_bytes / (args.sessions * args.tokens), 2),
-            "cpus": os.cpu_count(),
-            "runs": results,
+            "journal_bytes": journal_sizes,
+            "journal_bytes_per_token": round(journal_sizes[largest] / (largest * args.tokens), 2),
+            "load_average_1m": round(os.getloadavg()[0], 2),
+            "runs": runs,
         },
     )
+    plot(runs, IMAGES / "restart.png")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_comma
 from rolloutfleet_testkit.sglang_emulator.server import create_app as create_engine_app
 
 KILLS = 10
+TURNS_PER_CYCLE = 20  # delivered turns before a random kill moment
 WORKERS = 12
 SEED = 13
 
@@ -118,6 +119,18 @@ async def load_until_killed(url: str, process: ServerProcess, ledger, rng, kill_
             worker.cancel()
 
 
+async def poll_until(condition, timeout_s: float = 120.0) -> None:
+    """The workers fill the ledger without signalling; a bounded poll is simplest here."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # noqa: ASYNC110
+        assert time.monotonic() < deadline, "the load did not deliver enough turns"
+        await asyncio.sleep(0.01)
+
+
+def delivered_turns(ledger: dict[str, Delivered]) -> int:
+    return sum(len(d.turns) for d in ledger.values())
+
+
 def check_ledger(url: str, ledger: dict[str, Delivered]) -> int:
     """Every delivered change is present after the restart; returns the turns checked."""
     checked = 0
@@ -163,8 +176,12 @@ async def test_sigkill_at_random_moments_loses_no_delivered_change(engine_url, t
         stats = await asyncio.to_thread(get_stats, url)
         assert stats["sessions_lost"] == 0 and stats["totals"]["restore_failures"] == 0
 
-        async def random_moment() -> None:
-            await asyncio.sleep(rng.uniform(0.3, 1.5))
+        turns_before = delivered_turns(ledger)
+
+        async def random_moment(turns_before: int = turns_before) -> None:
+            # Under load first (a count, not a time: the machine may be busy), then a random moment.
+            await poll_until(lambda: delivered_turns(ledger) >= turns_before + TURNS_PER_CYCLE)
+            await asyncio.sleep(rng.uniform(0, 0.8))
 
         async def during_compaction(url: str = url) -> None:
             async with httpx.AsyncClient(base_url=url, timeout=10) as client:
@@ -187,7 +204,7 @@ async def test_sigkill_at_random_moments_loses_no_delivered_change(engine_url, t
         assert process.terminate() == 0
     assert stats["sessions_lost"] == 0
     assert stats["live_sessions"] >= len(ledger)
-    assert checked_turns > 100, checked_turns  # the kills landed under real load
+    assert checked_turns >= (KILLS - 2) * TURNS_PER_CYCLE, checked_turns  # the kills landed under real load
 
 
 def get_stats(url: str) -> dict:

@@ -196,6 +196,8 @@ async def _post(url: str, body: object, **kwargs) -> httpx.Response:
 
 
 async def test_generate_answers_in_sglang_shape(sglang_emulator_url, model, tokenizer):
+    # The engine is shared by the session: other tests' prompts share the template's first tokens.
+    assert (await _post(f"{sglang_emulator_url}/flush_cache", None)).status_code == 200
     prompt = _chat_ids(tokenizer, MESSAGES)
     body = {
         "input_ids": prompt,
