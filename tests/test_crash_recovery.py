@@ -122,7 +122,7 @@ async def load_until_killed(url: str, process: ServerProcess, ledger, rng, kill_
 async def poll_until(condition, timeout_s: float = 120.0) -> None:
     """The workers fill the ledger without signalling; a bounded poll is simplest here."""
     deadline = time.monotonic() + timeout_s
-    while not condition():  # noqa: ASYNC110
+    while not condition():
         assert time.monotonic() < deadline, "the load did not deliver enough turns"
         await asyncio.sleep(0.01)
 
