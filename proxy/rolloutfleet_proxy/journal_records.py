@@ -13,6 +13,7 @@ than the journal it compacts.
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 import zlib
 from array import array
@@ -166,7 +167,7 @@ class ScanResult:
     skipped_bytes: int  # bytes after good_bytes that could not be read as records
 
 
-def scan(data: bytes) -> ScanResult:
+def scan(data: bytes | mmap.mmap) -> ScanResult:
     """Every intact record of a segment, in order. Bad bytes with nothing intact after them are the
     append a crash cut short (never fsynced, so never acknowledged): the scan ends there quietly. Bad
     bytes followed by intact records are damage: the scan resynchronises on the next intact record

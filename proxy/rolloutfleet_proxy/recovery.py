@@ -10,6 +10,8 @@ exactly are reported as lost, so clients get 410 `session_lost` rather than a wr
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -155,7 +157,7 @@ def recover(dump_dir: Path, lost_capacity: int = 10000) -> Recovered:
     for seq, path in list_segments(journal_dir(dump_dir)):
         result.last_seq = seq
         result.segments += 1
-        scanned = scan(path.read_bytes())
+        scanned = _scan_file(path)
         if scanned.damaged:
             result.damaged_segments += 1
             target = _copy_aside(path, dump_dir)
@@ -183,6 +185,16 @@ def recover(dump_dir: Path, lost_capacity: int = 10000) -> Recovered:
         write_atomic(dump_dir / LOST_FILE, orjson.dumps(result.lost))
     result.seconds = time.monotonic() - started
     return result
+
+
+def _scan_file(path: Path):
+    """Scan a segment through a read-only mapping: a segment can be as large as the compaction
+    threshold, and reading it whole would hold all of it in the heap at once."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return scan(b"")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            return scan(data)  # records copy what they keep: nothing refers to the mapping after
 
 
 def _read_lost(dump_dir: Path) -> dict[str, str]:

@@ -408,6 +408,9 @@ class ProxyRuntime:
                 }
             },
         )
+        del recovered
+        if self.trimmer.available:  # the replay grew arrays step by step: give the slack back
+            await asyncio.to_thread(self.trimmer.trim)
 
     def request_drain(self) -> asyncio.Task:
         if self._drain_task is None:
