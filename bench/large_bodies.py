@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import tempfile
 import threading
@@ -67,13 +68,24 @@ async def bystanders(url: str, count: int, seconds: float) -> tuple[list[float],
     return latencies, statuses
 
 
-async def large_sender(url: str, size: int, turns: int) -> dict[int, int]:
+def large_bodies(size: int, turns: int) -> list[bytes]:
+    """Built before the measured phase: generating and encoding megabytes on the load generator's own
+    loop would delay the bystanders' requests and be measured as the proxy's doing."""
+    return [
+        json.dumps(
+            {"messages": [{"role": "user", "content": big_text(size, turn)}], "max_tokens": 8}
+        ).encode()
+        for turn in range(turns)
+    ]
+
+
+async def large_sender(url: str, bodies: list[bytes]) -> dict[int, int]:
     statuses: dict[int, int] = {}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
-        for turn in range(turns):
+        for body in bodies:
             chat_url, auth = await new_session(http, url)  # a fresh session each: first turn, all new
-            body = {"messages": [{"role": "user", "content": big_text(size, turn)}], "max_tokens": 8}
-            async with http.post(chat_url, json=body, headers=auth) as response:
+            headers = {**auth, "content-type": "application/json"}
+            async with http.post(chat_url, data=body, headers=headers) as response:
                 await response.read()
                 statuses[response.status] = statuses.get(response.status, 0) + 1
     return statuses
@@ -112,24 +124,37 @@ def main() -> None:
     parser.add_argument("--body-bytes", type=int, default=2 * 1024 * 1024)
     parser.add_argument("--large-turns", type=int, default=8)
     parser.add_argument("--latency-s", type=float, default=0.1)
+    parser.add_argument(
+        "--family",
+        default="test",
+        help="tokenizer: `test` (default) or a model family's real one (qwen3, ...)",
+    )
     args = parser.parse_args()
+    tokenizer = None
+    if args.family != "test":
+        from rolloutfleet_testkit.model_families import FAMILIES
+
+        tokenizer = FAMILIES[args.family].build_cached()
     with tempfile.TemporaryDirectory(prefix="rf-bench-large-") as tmp:
         work = Path(tmp)
         with (
             upstream_stub(work, args.latency_s, 8) as (stub, _),
-            proxy_process(work, stub, "--no-log-requests", "--cleanup-interval-s", "2") as (url, proxy),
+            proxy_process(
+                work, stub, "--no-log-requests", "--cleanup-interval-s", "2", tokenizer=tokenizer
+            ) as (url, proxy),
         ):
             progress(f"baseline: {args.bystanders} bystander loops for {args.seconds} s")
             base_latencies, base_statuses = asyncio.run(bystanders(url, args.bystanders, args.seconds))
             time.sleep(3)  # a cleanup cycle trims the heap
             rss_baseline = proxy.memory_info().rss
+            bodies = large_bodies(args.body_bytes, args.large_turns)
             progress(f"with one client sending {args.large_turns} turns of {args.body_bytes} bytes")
             with RssSampler(proxy) as sampler:
 
                 async def both():
                     return await asyncio.gather(
                         bystanders(url, args.bystanders, args.seconds),
-                        large_sender(url, args.body_bytes, args.large_turns),
+                        large_sender(url, bodies),
                     )
 
                 (loaded_latencies, loaded_statuses), large_statuses = asyncio.run(both())
@@ -139,6 +164,7 @@ def main() -> None:
     peak = max(sampler.samples)
     goal_peak = rss_baseline + 64 * 2**20 + 4 * args.body_bytes
     result = {
+        "tokenizer": args.family,
         "bystanders": args.bystanders,
         "seconds_per_phase": args.seconds,
         "upstream_latency_s": args.latency_s,
@@ -172,7 +198,7 @@ def main() -> None:
         f"RSS {rss_baseline / 2**20:.0f} -> peak {peak / 2**20:.0f} (goal {goal_peak / 2**20:.0f}) -> "
         f"resting {rss_resting / 2**20:.0f} MiB"
     )
-    save_result("large_bodies", result)
+    save_result("large_bodies" + ("" if args.family == "test" else f"-{args.family}"), result)
 
 
 if __name__ == "__main__":

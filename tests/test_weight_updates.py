@@ -78,11 +78,13 @@ def test_which_turns_have_tempered_logprobs(setting, sampling, expected):
 
 def test_continuation_request_resends_prompt_and_partial_with_the_rest_of_the_budget():
     segments = [Segment(generation([10, 11, 12], "abort"), 3)]
-    prompt, sampling = continuation_request([1, 2], {"max_new_tokens": 8, "min_new_tokens": 5}, segments)
-    assert prompt == [1, 2, 10, 11, 12]
+    prompt, sampling = continuation_request(
+        array("i", [1, 2]), {"max_new_tokens": 8, "min_new_tokens": 5}, segments
+    )
+    assert prompt.tolist() == [1, 2, 10, 11, 12]
     assert sampling == {"max_new_tokens": 5, "min_new_tokens": 2}
     spent = [Segment(generation(list(range(8)), "abort"), 3)]
-    assert continuation_request([1], {"max_new_tokens": 8}, spent) is None
+    assert continuation_request(array("i", [1]), {"max_new_tokens": 8}, spent) is None
 
 
 def test_merge_keeps_every_token_and_where_the_version_changed():

@@ -70,8 +70,8 @@ def logprobs_tempered(engine_logprobs: str, sampling_params: dict[str, Any]) -> 
 
 
 def continuation_request(
-    prompt: list[int], sampling_params: dict[str, Any], segments: Sequence[Segment]
-) -> tuple[list[int], dict[str, Any]] | None:
+    prompt: array, sampling_params: dict[str, Any], segments: Sequence[Segment]
+) -> tuple[array, dict[str, Any]] | None:
     """The prompt and sampling parameters that continue a turn after aborted `segments`, or None
     when the budget is spent (the turn then ends as `length`)."""
     produced = [t for s in segments for t in s.generation.output_ids]
@@ -82,7 +82,7 @@ def continuation_request(
     min_new = sampling_params.get("min_new_tokens")
     if isinstance(min_new, int) and not isinstance(min_new, bool):
         sampling["min_new_tokens"] = max(0, min_new - len(produced))
-    return prompt + produced, sampling
+    return prompt + array("i", produced), sampling
 
 
 def merge_segments(

@@ -22,6 +22,23 @@ def resolve_malloc_trim() -> Callable[[int], int] | None:
     return trim
 
 
+M_ARENA_MAX = -8  # glibc mallopt parameter
+
+
+def limit_malloc_arenas(arenas: int) -> bool:
+    """Cap glibc's malloc arenas (as MALLOC_ARENA_MAX does) before worker threads start: each thread
+    that tokenizes a large turn otherwise gets an arena of its own, and the hundreds of MiB the
+    tokenizer's native code used there stay mapped after it is freed. False where there is no glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt(M_ARENA_MAX, arenas) == 1
+
+
 class HeapTrimmer:
     """Call `trim` from a worker thread: malloc_trim can take long on a big heap."""
 

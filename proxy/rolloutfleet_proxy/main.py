@@ -14,11 +14,13 @@ import uvicorn
 from pydantic import ValidationError
 
 from .app import create_app
+from .heap import limit_malloc_arenas
 from .logs import configure_logging
 from .runtime import ProxyRuntime
 from .settings import load_settings
 
 log = logging.getLogger("rolloutfleet.proxy")
+MALLOC_ARENAS = 2  # the event loop's and one shared by worker threads
 
 
 class DrainingServer(uvicorn.Server):
@@ -77,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rolloutfleet-proxy: invalid settings:\n{exc}", file=sys.stderr)
         return 2
     configure_logging(settings.log_level)
+    if settings.trim_heap:
+        limit_malloc_arenas(MALLOC_ARENAS)
     runtime = ProxyRuntime(settings)
     app = create_app(settings, runtime)
     config = uvicorn.Config(

@@ -107,6 +107,7 @@ class ProxyRuntime:
         self.drain_ok: bool | None = None
         self._tasks: list[asyncio.Task] = []
         self._drain_task: asyncio.Task | None = None
+        self._trim_task: asyncio.Task | None = None
         self._cycle_lock = asyncio.Lock()
         self._sweep_lock = asyncio.Lock()
         self._started_event = asyncio.Event()
@@ -238,6 +239,7 @@ class ProxyRuntime:
             self.settings.engine_logprobs,
             self.log,
             TurnLimits(self.settings.max_new_message_bytes, self.settings.offload_templating_bytes),
+            self.request_heap_trim,
         )
         await self.restore_state()
         await self.restore()
@@ -300,6 +302,17 @@ class ProxyRuntime:
                 except Exception:
                     self.counters.cleanup_errors += 1
                     log.exception("stale-session cleanup cycle failed; the next cycle retries")
+
+    def request_heap_trim(self) -> None:
+        """Trim the heap soon, in a worker thread, at most one trim at a time (after a large turn)."""
+        if not self.trimmer.available or (self._trim_task is not None and not self._trim_task.done()):
+            return
+
+        async def trim() -> None:
+            if await asyncio.to_thread(self.trimmer.trim):
+                self.counters.heap_trims += 1
+
+        self._trim_task = asyncio.create_task(trim(), name="heap-trim")
 
     async def _storage_check_loop(self) -> None:
         """Probe the dump volume (write + fsync): honest readiness even when no request writes."""

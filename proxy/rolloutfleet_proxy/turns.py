@@ -13,6 +13,7 @@ import asyncio
 import secrets
 import time
 from array import array
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .chat_tokens import TemplateError, TurnTokenizer
@@ -84,8 +85,10 @@ class TurnService:
         engine_logprobs: str = "tempered",
         session_log: SessionLog | None = None,
         limits: TurnLimits | None = None,
+        after_large_turn: Callable[[], None] | None = None,
     ):
         self._limits = limits or TurnLimits()
+        self._after_large_turn = after_large_turn
         self._engine_logprobs = engine_logprobs
         self._log = session_log
         self._generation = generation
@@ -149,7 +152,11 @@ class TurnService:
         if message_text_bytes(request.messages, stop_after=offload_from) < offload_from:
             return self.new_input_ids(session, request)  # the common turn: a thread hop costs more
         self._counters.turns_templated_off_loop += 1
-        return await asyncio.to_thread(self.new_input_ids, session, request)
+        try:
+            return await asyncio.to_thread(self.new_input_ids, session, request)
+        finally:
+            if self._after_large_turn is not None:
+                self._after_large_turn()  # the tokenizer's native buffers were freed: give them back
 
     async def run_turn(self, session: Session, request: ChatRequest, timings: dict[str, float]) -> TurnResult:
         if self._gauges.draining:
@@ -181,7 +188,7 @@ class TurnService:
                 raise gone("session_gone", f"session {session.session_id} has ended: {session.close_reason}")
             session.touch()
             new_ids, prompt_tail, digest = await self._new_input(session, request)
-            prompt = session.token_ids.tolist()
+            prompt = array("i", session.token_ids)  # a copy (memcpy): no Python int per token
             prompt.extend(new_ids)
             t_up = time.perf_counter()
             timings["tokenize_ms"] = _ms(t_tok, t_up)
@@ -229,15 +236,13 @@ class TurnService:
             timings["record_ms"] = _ms(t_rec, time.perf_counter())
             return TurnResult(turn_index, generation, len(prompt), reply)
 
-    async def _generate(
-        self, prompt: list[int], sampling: dict, session: Session
-    ) -> tuple[MergedTurn, float]:
+    async def _generate(self, prompt: array, sampling: dict, session: Session) -> tuple[MergedTurn, float]:
         """Pass the pause gate, then generate; an aborted generation passes the gate again (so it waits
         for the resume) and continues with its tokens kept. Returns the turn and the seconds held by
         pauses."""
         segments: list[Segment] = []
         paused_total = 0.0
-        request: tuple[list[int], dict] | None = (prompt, sampling)
+        request: tuple[array, dict] | None = (prompt, sampling)
         rid = f"{session.session_id}-{session.num_turns}-{secrets.token_hex(4)}"
         try:
             while request is not None:
@@ -271,7 +276,7 @@ class TurnService:
         return turn, paused_total
 
     async def _call_upstream(
-        self, session: Session, prompt: list[int], sampling: dict
+        self, session: Session, prompt: array, sampling: dict
     ) -> tuple[MergedTurn, float]:
         # One task for the wait at the gate and the call: a DELETE or the drain cancels either.
         task = asyncio.create_task(self._generate(prompt, sampling, session))

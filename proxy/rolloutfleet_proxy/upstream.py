@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import numpy as np
 import orjson
 
 from .errors import ProxyError, bad_request
@@ -149,7 +151,7 @@ class SGLangClient:
 
     async def generate(
         self,
-        input_ids: list[int],
+        input_ids: Sequence[int],
         sampling_params: dict[str, Any],
         routing_key: str | None = None,
         rid: str | None = None,
@@ -158,7 +160,10 @@ class SGLangClient:
         sglang-router's `manual` policy routes by, so a session's turns stay on one engine's prefix
         cache. `rid` names the request on the engine (its logs, `/abort_request`)."""
         request: dict[str, Any] = {
-            "input_ids": input_ids,
+            # An int32 array goes out through numpy: no Python int per token for long prompts.
+            "input_ids": np.frombuffer(input_ids, dtype=np.int32)
+            if isinstance(input_ids, array)
+            else input_ids,
             "sampling_params": sampling_params,
             "return_logprob": True,
             "logprob_start_len": -1,  # logprobs of output tokens only
@@ -166,7 +171,7 @@ class SGLangClient:
         }
         if rid is not None:
             request["rid"] = rid
-        payload = orjson.dumps(request)
+        payload = orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
         try:
             headers = {"content-type": "application/json"}
             if routing_key is not None:
