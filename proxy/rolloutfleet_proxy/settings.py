@@ -74,10 +74,11 @@ class ProxySettings(BaseSettings):
         "503 request_budget_exhausted with Retry-After (bounds what many large bodies at once cost).",
     )
     max_new_message_bytes: int = Field(
-        2 * 1024 * 1024,
+        512 * 1024,
         ge=1024,
         description="Largest text of the new messages of one turn (what is templated and tokenized); "
-        "beyond it the turn gets 400 new_messages_too_large.",
+        "beyond it the turn gets 400 new_messages_too_large. Tokenizing costs ~60 bytes of transient "
+        "memory per byte of text with real vocabularies: 512 KiB keeps one turn within 64 MiB.",
     )
     offload_templating_bytes: int = Field(
         32 * 1024,

@@ -40,7 +40,7 @@ from .upstream import Generation, SGLangClient
 
 @dataclass(frozen=True)
 class TurnLimits:
-    max_new_message_bytes: int = 2 * 1024 * 1024
+    max_new_message_bytes: int = 512 * 1024
     offload_templating_bytes: int = 32 * 1024
 
 
