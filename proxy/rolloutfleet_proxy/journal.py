@@ -184,7 +184,9 @@ class Journal:
             return
         started = time.perf_counter()
         try:
-            await asyncio.shield(future)
+            # Not shielded: a cancelled waiter (client gone) only cancels its own future; the record
+            # stays queued and the flusher skips futures that are already done.
+            await future
         finally:
             self.stats.commits += 1
             self.stats.commit_wait_s += time.perf_counter() - started
