@@ -77,8 +77,8 @@ class ProxySettings(BaseSettings):
         512 * 1024,
         ge=1024,
         description="Largest text of the new messages of one turn (what is templated and tokenized); "
-        "beyond it the turn gets 400 new_messages_too_large. Tokenizing costs ~60 bytes of transient "
-        "memory per byte of text with real vocabularies: 512 KiB keeps one turn within 64 MiB.",
+        "beyond it the turn gets 400 new_messages_too_large. Tokenizing costs ~500 bytes of transient "
+        "memory per token: at 512 KiB a turn peaks ~75-95 MiB above rest.",
     )
     offload_templating_bytes: int = Field(
         32 * 1024,
