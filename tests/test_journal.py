@@ -289,3 +289,20 @@ async def test_async_durability_acknowledges_at_once_and_syncs_within_the_window
     ((_, path),) = list_segments(journal_dir(tmp_path))
     assert [r.session_id for r in jr.scan(path.read_bytes()).records] == ["session-a1"]
     await journal.close()
+
+
+def test_a_session_whose_id_began_with_a_dash_before_the_rule_is_restored_and_reachable(
+    sglang_emulator_url, test_tokenizer_dir, tmp_path
+):
+    import httpx
+    from proxy_harness import ADMIN, running_proxy
+
+    legacy = Session("-legacy-session-1", key_digest("legacy-key"))  # 1 in 64 generated ids did
+    write_session_dump(tmp_path, LIVE_AREA, legacy.copied_record(), "drain")
+    with running_proxy(sglang_emulator_url, test_tokenizer_dir, tmp_path) as proxy:
+        got = httpx.get(
+            f"{proxy.url}/v1/sessions/-legacy-session-1", headers={"Authorization": "Bearer legacy-key"}
+        )
+        assert got.status_code == 200 and got.json()["session_id"] == "-legacy-session-1"
+        refused = httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"session_id": "-new-session-1"})
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_session_id"

@@ -27,6 +27,7 @@ from .errors import (
 )
 from .ids import (
     SESSION_ID_RULE,
+    is_valid_new_session_id,
     is_valid_session_id,
     key_digest,
     key_matches,
@@ -167,7 +168,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             raise unavailable("draining", "this proxy is not taking new sessions; use another one", 2)
         session_id = body.get("session_id")
         session_id = new_session_id() if session_id is None else session_id  # "", 0, false are errors
-        if not isinstance(session_id, str) or not is_valid_session_id(session_id):
+        if not isinstance(session_id, str) or not is_valid_new_session_id(session_id):
             raise bad_request("invalid_session_id", f"session ids are {SESSION_ID_RULE}")
         metadata = body.get("metadata")
         metadata = {} if metadata is None else metadata

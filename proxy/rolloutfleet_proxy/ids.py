@@ -8,13 +8,22 @@ import re
 import secrets
 
 # A fixed, path-safe alphabet: no dots or slashes, so no id can name a path outside the dump directory.
-# Not starting with '-': an id is also a file name and a command-line argument in operators' hands.
-SESSION_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{7,63}")
+SESSION_ID_RE = re.compile(r"[A-Za-z0-9_-]{8,64}")
+# New ids also do not start with '-': an id is a file name and a command-line argument in operators'
+# hands. Ids made before this rule (1 in 64 generated ids began with '-') stay valid everywhere else,
+# so their sessions are restored and reachable after an upgrade.
+NEW_SESSION_ID_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]{7,63}")
 SESSION_ID_RULE = "8 to 64 characters from A-Z, a-z, 0-9, '_' and '-', not starting with '-'"
 
 
 def is_valid_session_id(session_id: str) -> bool:
+    """An id the proxy may hold (lookups, dump files, restores)."""
     return SESSION_ID_RE.fullmatch(session_id) is not None
+
+
+def is_valid_new_session_id(session_id: str) -> bool:
+    """An id a new session may be given."""
+    return NEW_SESSION_ID_RE.fullmatch(session_id) is not None
 
 
 def new_session_id() -> str:
