@@ -158,6 +158,27 @@ def test_a_missing_turn_makes_the_session_lost_not_wrong():
     assert "session-a1" not in result.sessions and "turn 1 is missing" in result.lost["session-a1"]
 
 
+def test_a_turn_with_values_a_proxy_never_writes_makes_the_session_lost():
+    bad = jr.turn_record(
+        "session-a1",
+        KEY,
+        0,
+        array("i", [1, 2]),
+        array("i", [3]),
+        array("f", [float("nan")]),
+        message_count=2,
+        history_digest=bytes(32),
+        stopped=False,
+        stop_token=None,
+        model_version=0,
+        version_changes=[],
+        temperature=1.0,
+        tempered=True,
+    )
+    result = replay([jr.create_record("session-a1", KEY, 1.0, {}), bad])
+    assert not result.sessions and "not finite" in result.lost["session-a1"]
+
+
 def test_records_without_their_start_are_lost_unless_the_session_ended():
     ended = replay([turn("session-e1", 4), jr.end_record("session-e1", KEY, "exported")])
     assert not ended.sessions and not ended.lost

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import orjson
 
 from .dumps import (
@@ -103,6 +104,10 @@ class Replay:
         if index > session.num_turns:
             self._lose(session, f"turn {session.num_turns} is missing from the journal (next is {index})")
             return
+        problem = _implausible(body)
+        if problem:
+            self._lose(session, f"turn {index} holds {problem}")
+            return
         temperature = h.get("temperature")
         try:
             session.append_turn(
@@ -131,6 +136,18 @@ class Replay:
         for sid in self._orphans:
             if sid not in self.sessions:
                 self.lost.setdefault(sid, "its start is in no snapshot or journal record that survived")
+
+
+def _implausible(body) -> str | None:
+    """Values a proxy never journals (the CRC catches damage; this catches anything else)."""
+    for ids in (body.new_input_ids, body.output_ids):
+        if ids and int(np.frombuffer(ids, dtype=np.int32).min()) < 0:
+            return "negative token ids"
+    if body.output_logprobs and not bool(
+        np.isfinite(np.frombuffer(body.output_logprobs, dtype=np.float32)).all()
+    ):
+        return "logprobs that are not finite numbers"
+    return None
 
 
 def recover(dump_dir: Path, lost_capacity: int = 10000) -> Recovered:
