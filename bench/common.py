@@ -42,13 +42,16 @@ def tokenizer_dir() -> Path:
 
 
 @contextlib.contextmanager
-def upstream_stub(work: Path, latency_s: float, output_tokens: int) -> Iterator[tuple[str, psutil.Process]]:
-    """The fixed-latency SGLang stand-in, in its own process."""
-    port = free_port()
+def upstream_stub(
+    work: Path, latency_s: float, output_tokens: int, host: str = "127.0.0.1"
+) -> Iterator[tuple[str, psutil.Process]]:
+    """The fixed-latency SGLang stand-in, in its own process, on `host` (the node's bridge address
+    when pods must reach it)."""
+    port = free_port(host)
     args = python_module(
         "rolloutfleet_testkit.upstream_stub",
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--latency-s",
@@ -57,8 +60,8 @@ def upstream_stub(work: Path, latency_s: float, output_tokens: int) -> Iterator[
         str(output_tokens),
     )
     with ServerProcess(args, work / f"stub-{port}.log") as stub:
-        stub.wait_ready(f"http://127.0.0.1:{port}/health", 60)
-        yield f"http://127.0.0.1:{port}", psutil.Process(stub.pid)
+        stub.wait_ready(f"http://{host}:{port}/health", 60)
+        yield f"http://{host}:{port}", psutil.Process(stub.pid)
 
 
 def proxy_args(

@@ -1,12 +1,12 @@
 """Memory watchdog: API requests per check cycle, and RSS breach → replacement Ready, by fleet size.
 
-Everything is real except the proxies: the local control plane (etcd, kube-apiserver, controller
-manager, scheduler), the process kubelet (a test harness running pods as local processes), the
-operator installed by its Helm chart and running as a pod, and the real SGLang router as the
-fleet's gateway. The proxies are /stats stand-ins (image `rolloutfleet-stats-standin`, a TEST
-STAND-IN for the proxy: rolloutfleet_testkit/stats_standin.py), so 64 of them fit on one small
-machine and the RSS each reports is set by this script; on SIGTERM a stand-in drains like a proxy
-(/readyz 503 for --drain-s), then exits.
+Everything is real except the proxies: the local cluster (control plane, real kubelets with
+containerd, kube-proxy, CoreDNS: rolloutfleet_testkit.node), the operator installed by its Helm
+chart and running as a pod, and the real SGLang router as the fleet's gateway. The proxies are
+/stats stand-ins (the test kit image with TESTKIT_PROGRAM=stats-standin, a TEST STAND-IN for the
+proxy: rolloutfleet_testkit/stats_standin.py), so 64 of them fit on one small machine and the RSS
+each reports is set by this script; on SIGTERM a stand-in drains like a proxy (/readyz 503 for
+--drain-s), then exits.
 
 For each fleet size N (one fleet at a time):
 1. Apply a RolloutFleet of N stand-ins (budget 100 MiB, every stand-in reporting 50 MiB) and wait
@@ -50,17 +50,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from rolloutfleet_operator.kubeapi import KubeApi, load_configuration, resource_path
 from rolloutfleet_operator.plan import is_ready
 from rolloutfleet_testkit import fleet_setup
-from rolloutfleet_testkit.controlplane.build import ensure_binaries
-from rolloutfleet_testkit.controlplane.cluster import down, up
+from rolloutfleet_testkit.images import ensure_images
 from rolloutfleet_testkit.kubectl import Kubectl
-from rolloutfleet_testkit.kubelet import ProcessKubelet
+from rolloutfleet_testkit.node import real_cluster
+from rolloutfleet_testkit.node.config import BRIDGE_IP
 
 NAMESPACE = "watchdog-bench"
 RELEASE = "wd"
 OPERATOR_SELECTOR = "app.kubernetes.io/name=rolloutfleet-operator"
 METRICS_PORT = 8080  # the chart's metricsPort
 PROXY_PORT = 8000
-STANDIN_IMAGE = "rolloutfleet-stats-standin:latest"
+STANDIN_IMAGE = fleet_setup.TESTKIT_IMAGE  # with TESTKIT_PROGRAM=stats-standin
 MIB = 2**20
 BUDGET = 100 * MIB
 WITHIN = 50 * MIB
@@ -86,46 +86,38 @@ class Cluster:
 
 @contextlib.contextmanager
 def local_cluster(work: Path) -> Iterator[Cluster]:
-    """Control plane, process kubelet, CRDs and the operator installed by its chart."""
-    bin_dir = ensure_binaries()
-    progress("starting the local control plane")
-    state = up(work / "cluster")
-    kubelet = None
-    try:
-        progress("starting the process kubelet (pods run as local processes on 127.0.x.y)")
-        kubelet = ProcessKubelet(state.kubeconfig, work / "kubelet").start()
-        kubectl = Kubectl(bin_dir / "kubectl", state.kubeconfig, NAMESPACE)
+    """The local cluster (real nodes), the images, CRDs and the operator installed by its chart."""
+    with real_cluster(work / "cluster") as node:
+        progress("importing the images into the nodes")
+        ensure_images(("proxy", "operator", "testkit"), node.containerd_addresses)
+        kubectl = Kubectl(node.bin_dir / "kubectl", node.kubeconfig, NAMESPACE)
         kubectl("apply", "-f", str(fleet_setup.CRDS))
         kubectl("wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s")
         kubectl("create", "namespace", NAMESPACE)
         progress("installing the operator with helm (it runs as a pod)")
         args = fleet_setup.helm_install_args(RELEASE, NAMESPACE, [NAMESPACE])
         subprocess.run(
-            [str(bin_dir / "helm"), "--kubeconfig", state.kubeconfig, *args],
+            [str(node.bin_dir / "helm"), "--kubeconfig", node.kubeconfig, *args],
             check=True,
             capture_output=True,
             timeout=300,
         )
         pods = kubectl.json("pods", "-l", OPERATOR_SELECTOR)
         operator_ip = pods["items"][0]["status"]["podIP"]
-        api = KubeApi(load_configuration(state.kubeconfig))
+        api = KubeApi(load_configuration(node.kubeconfig))
         try:
             yield Cluster(kubectl, api, operator_ip)
         finally:
             api.close()
-    finally:
-        progress("stopping the kubelet (pods' processes end) and the control plane")
-        if kubelet is not None:
-            kubelet.stop()
-        down(work / "cluster")
 
 
 def operator_process() -> psutil.Process | None:
-    """The operator pod's process (a descendant of this one: the process kubelet runs in here)."""
-    for child in psutil.Process().children(recursive=True):
+    """The operator container's process (a process of this machine, in the pod's namespaces)."""
+    for process in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if "rolloutfleet_operator" in child.cmdline() and "python" in child.name():
-                return child
+            cmdline = process.info["cmdline"] or []
+            if "rolloutfleet_operator" in cmdline and "python" in (cmdline[0] if cmdline else ""):
+                return process
     return None
 
 
@@ -252,8 +244,9 @@ def fleet_manifest(name: str, replicas: int, args: argparse.Namespace, work: Pat
         engine,
         replicas,
         image=STANDIN_IMAGE,
-        dump={"hostPath": {"path": str(work / "dumps")}},
+        dump={"hostPath": {"path": str(fleet_setup.pod_writable(work / "dumps"))}},
         env=[
+            {"name": "TESTKIT_PROGRAM", "value": "stats-standin"},
             {"name": "STANDIN_DRAIN_S", "value": str(args.drain_s)},
             {"name": "STANDIN_RSS_BYTES", "value": str(WITHIN)},
             {"name": "STANDIN_RSS_THRESHOLD_BYTES", "value": str(BUDGET)},
@@ -456,7 +449,7 @@ def measure_size(
 def measure_real_proxies(
     cluster: Cluster, replicas: int, args: argparse.Namespace, work: Path, engine: str
 ) -> dict[str, Any]:
-    """Real proxies (the proxy image, run by the process kubelet from the proxy-only environment):
+    """Real proxies (the proxy image, on the real nodes):
     the budget is lowered below what every proxy reports, so each is restarted once, one at a
     time (the replacement, over budget as well, is then held in its cooldown). A real proxy does
     not record when it was sampled, so this measures the pod's deletion → its replacement Ready:
@@ -608,8 +601,8 @@ def main() -> None:
     started = time.monotonic()
     with (
         tempfile.TemporaryDirectory(prefix="rf-bench-watchdog-") as tmp,
-        upstream_stub(Path(tmp), 0.01, 8) as (engine, _),
         local_cluster(Path(tmp)) as cluster,
+        upstream_stub(Path(tmp), 0.01, 8, host=BRIDGE_IP) as (engine, _),
     ):
         progress(f"operator pod at {cluster.operator_ip}; /metrics on port {METRICS_PORT}")
         for size in args.sizes:
@@ -638,8 +631,8 @@ def main() -> None:
         {
             "args": vars(args),
             "setup": {
-                "proxies": "rolloutfleet-stats-standin (test stand-in for the proxy: /stats, probes, drain)",
-                "operator": "installed with its Helm chart, running as a pod on the process kubelet",
+                "proxies": "the /stats stand-in (test stand-in for the proxy: /stats, probes, drain)",
+                "operator": "installed with its Helm chart, running as a pod on a real kubelet (containerd)",
                 "rss_budget_bytes": BUDGET,
                 "reported_rss_within_bytes": WITHIN,
                 "reported_rss_over_bytes": OVER,

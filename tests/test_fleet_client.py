@@ -407,6 +407,26 @@ async def test_a_session_lost_in_a_restart_is_reported_never_replaced(fleet):
         await client.delete(kept)
 
 
+async def test_a_finished_session_its_owner_lost_is_named_at_export_and_the_rest_exported(fleet):
+    """Sessions that completed, then whose owner came back without one of them (its dump removed
+    while it was down): the export marks exactly that one lost, by name, and exports the others."""
+    owner = fleet[2]
+    async with FleetClient([owner.url], admin_key=ADMIN_KEY, backoff=FAST) as client:
+        outcomes = await run_rollouts(
+            client, sessions=3, turns=1, concurrency=3, max_tokens=4, progress=lambda _: None
+        )
+    assert [o.error for o in outcomes] == [None] * 3
+    assert await asyncio.to_thread(owner.stop) == 0
+    gone = outcomes[1].session_id
+    (owner.dump_dir / LIVE_AREA / f"{gone}.safetensors").unlink()
+    owner.start()
+    await asyncio.to_thread(owner.wait_ready)
+    exported = await asyncio.to_thread(export_and_ack, ADMIN_KEY, outcomes)
+    assert exported["trajectories_exported"] == 2
+    assert outcomes[1].error and gone in outcomes[1].error and "lost" in outcomes[1].error
+    assert outcomes[0].error is None and outcomes[2].error is None
+
+
 def test_the_example_rollout_command(fleet, tmp_path, monkeypatch, capsys):
     from rolloutfleet_client.rollout_example import main
 

@@ -187,7 +187,7 @@ GPU_ROWS = [
         {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}},
     ),
     ("proxy port", container(POD)["ports"], [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]),
-    ("proxy args", container(POD)["args"], ["--host", "$(POD_IP)", "--port", "8000"]),
+    ("proxy args", container(POD)["args"], ["--host", "0.0.0.0", "--port", "8000"]),
     ("proxy hostname", POD["spec"]["hostname"], "gpu-fleet-proxy-2"),
     ("proxy subdomain", POD["spec"]["subdomain"], SVC),
     ("proxy grace", POD["spec"]["terminationGracePeriodSeconds"], 90),
@@ -225,7 +225,7 @@ GPU_ROWS = [
         env_map(POD)[ENV["admin_key"]],
         {"secretKeyRef": {"name": "gpu-fleet-admin-key", "key": "admin-key"}},
     ),
-    ("env: pod ip", env_map(POD)["POD_IP"], {"fieldRef": {"fieldPath": "status.podIP"}}),
+    ("env: no downward-API pod ip (binds the wildcard)", "POD_IP" in env_map(POD), False),
     ("env: extra", env_map(POD)["ROLLOUTFLEET_PROXY_LOG_LEVEL"], "info"),
     ("extra env last", container(POD)["env"][-1]["name"], "ROLLOUTFLEET_PROXY_LOG_LEVEL"),
     ("gateway image", container(GATEWAY)["image"], "lmsysorg/sglang-router:latest"),
@@ -253,7 +253,7 @@ GPU_ROWS = [
             "--model-path",
             "/models",
             "--host",
-            "$(POD_IP)",
+            "0.0.0.0",
             "--port",
             "30000",
             "--tp-size",
@@ -262,7 +262,8 @@ GPU_ROWS = [
             "0.85",
         ],
     ),
-    ("engine pod ip", env_map(ENGINE)["POD_IP"], {"fieldRef": {"fieldPath": "status.podIP"}}),
+    ("engine binds the wildcard", flag(container(ENGINE)["args"], "--host"), "0.0.0.0"),
+    ("gateway binds the wildcard", flag(container(GATEWAY)["args"], "--host"), "0.0.0.0"),
     (
         "engine resources + gpus",
         container(ENGINE)["resources"],
@@ -415,14 +416,13 @@ def pod_settings(pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> ProxyS
             monkeypatch.setenv(entry["name"], entry["value"])
         elif "secretKeyRef" in entry["valueFrom"]:
             monkeypatch.setenv(entry["name"], "secret")
-    args = [a.replace("$(POD_IP)", "10.0.0.7") for a in container(pod)["args"]]
-    return load_settings(args)
+    return load_settings(container(pod)["args"])
 
 
 def test_injected_settings_load_in_the_proxy(monkeypatch):
     """The pod's env and args, as the kubelet would resolve them, are valid proxy settings."""
     settings = pod_settings(manifests.proxy_pod(GPU, 1), monkeypatch)
-    assert settings.host == "10.0.0.7" and settings.port == 8000
+    assert settings.host == "0.0.0.0" and settings.port == 8000
     assert settings.upstream_url == "http://gpu-fleet-gateway.rl.svc:30080"
     assert settings.tokenizer_path == "/models"
     assert settings.stale_session_timeout_s == 1800 and settings.cleanup_interval_s == 30

@@ -11,7 +11,6 @@ import time
 
 import httpx
 import pytest
-from rolloutfleet_testkit.kubelet import images
 from rolloutfleet_testkit.processes import ServerProcess, free_port, serve_app
 from rolloutfleet_testkit.stats_standin import StatsStandin
 
@@ -89,13 +88,10 @@ def test_stats_can_fail_or_hang(standin):
 
 def test_as_a_process_it_takes_the_proxy_command_line_and_drains_on_sigterm(tmp_path):
     port = free_port()
-    args = images.local_command(
-        "rolloutfleet-stats-standin:latest",
-        None,
-        ["--host", "127.0.0.1", "--port", str(port), "--upstream-url", "http://x", "--no-log-requests"],
-    )
-    assert args[1:3] == ["-m", "rolloutfleet_testkit.stats_standin"]
-    env = {"STANDIN_DRAIN_S": "1", "STANDIN_RSS_BYTES": str(42 * MIB)}
+    # As the test kit's image runs it (TESTKIT_PROGRAM=stats-standin) with the proxy's arguments.
+    args = [sys.executable, "-m", "rolloutfleet_testkit.image_entrypoint"]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--upstream-url", "http://x", "--no-log-requests"]
+    env = {"STANDIN_DRAIN_S": "1", "STANDIN_RSS_BYTES": str(42 * MIB), "TESTKIT_PROGRAM": "stats-standin"}
     with ServerProcess(args, tmp_path / "standin.log", env=env) as standin:
         url = f"http://127.0.0.1:{port}"
         standin.wait_ready(f"{url}/readyz", 30)
@@ -111,15 +107,6 @@ def test_as_a_process_it_takes_the_proxy_command_line_and_drains_on_sigterm(tmp_
         waited = time.monotonic() - signalled
         assert code == 0, standin.log_tail()
         assert 0.9 <= waited < 5, waited
-
-
-def test_the_image_maps_to_the_standin_module():
-    command = images.local_command("ghcr.io/x/rolloutfleet-stats-standin:1", None, ["--port", "8000"])
-    assert command[1:] == ["-m", "rolloutfleet_testkit.stats_standin", "--port", "8000"]
-    named = images.local_command(
-        "rolloutfleet-stats-standin", ["rolloutfleet-stats-standin"], ["--port", "1"]
-    )
-    assert named == [*command[:3], "--port", "1"]
 
 
 def test_imports_nothing_heavy():

@@ -175,13 +175,28 @@ async def run_rollouts(
 
 def export_and_ack(admin_key: str, outcomes: list[Outcome]) -> dict[str, Any]:
     """Export exactly this rollout's finished sessions from their owners and acknowledge the batches
-    (synchronous: run it in a thread)."""
-    from rolloutfleet_proxy.trainer_client import TrainerClient
+    (synchronous: run it in a thread). A finished session its owner no longer has (it was replaced
+    and could not restore it) is marked lost on its outcome, by name, never exported as nothing."""
+    from rolloutfleet_proxy.trainer_client import ProxyCallError, TrainerClient
 
     by_owner: dict[str, list[str]] = {}
+    outcome_of = {o.session_id: o for o in outcomes if o.session_id}
     for o in outcomes:
         if o.error is None and o.session_id and o.owner:
             by_owner.setdefault(o.owner, []).append(o.session_id)
+
+    def export(trainer, owner: str, ids: list[str]) -> list:
+        try:
+            batch = trainer.export_from(owner, session_ids=ids)
+            return [batch] if batch is not None else []
+        except ProxyCallError as error:
+            if error.status not in (404, 410):
+                raise
+        if len(ids) == 1:  # this one is not on its owner any more
+            outcome_of[ids[0]].error = f"session {ids[0]} lost: {owner} no longer holds it at export"
+            return []
+        return [batch for sid in ids for batch in export(trainer, owner, [sid])]
+
     trajectories = tokens = 0
     rewards: list[float] = []
     if not by_owner:
@@ -190,9 +205,7 @@ def export_and_ack(admin_key: str, outcomes: list[Outcome]) -> dict[str, Any]:
     with TrainerClient(list(by_owner), admin_key) as trainer:
         for owner, ids in by_owner.items():
             for start in range(0, len(ids), 10000):
-                batch = trainer.export_from(owner, session_ids=ids[start : start + 10000])
-                if batch is not None:
-                    batches.append(batch)
+                batches += export(trainer, owner, ids[start : start + 10000])
         for batch in batches:
             for info in batch.trajectories():
                 trajectories += 1
@@ -326,13 +339,15 @@ async def amain(args: argparse.Namespace) -> dict[str, Any]:
             progress_interval_s=args.progress_interval_s,
         )
         elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu_began
+    print(f"rollout: done in {elapsed:.1f}s", flush=True)
+    exported: dict[str, Any] = {}
+    if not args.no_export:  # first: sessions found lost at export count as failures below
+        exported_at = time.perf_counter()
+        exported = await asyncio.to_thread(export_and_ack, admin_key, outcomes)
+        exported["export_s"] = round(time.perf_counter() - exported_at, 3)
     summary = summarize(outcomes, elapsed)
     summary["rollout_cpu_s"] = round(cpu, 3)  # this process's CPU while the sessions ran
-    print(f"rollout: done in {elapsed:.1f}s", flush=True)
-    if not args.no_export:
-        exported_at = time.perf_counter()
-        summary.update(await asyncio.to_thread(export_and_ack, admin_key, outcomes))
-        summary["export_s"] = round(time.perf_counter() - exported_at, 3)
+    summary.update(exported)
     return summary
 
 

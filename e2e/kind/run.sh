@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
 # The e2e suite on kind, for hosts with a Docker engine (the project's own machines have none, so
 # this path is not exercised in CI there). Usage: e2e/kind/run.sh [pytest args]
+# The images are built from the same Dockerfiles (images/) the local cluster builds without Docker.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 NAME="${KIND_CLUSTER:-rolloutfleet-e2e}"
+VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -1)"
 cd "$ROOT"
 kind create cluster --name "$NAME" --config e2e/kind/kind-config.yaml
 trap 'kind delete cluster --name "$NAME"' EXIT
 GPU_NODE="$(kubectl get nodes -l nvidia.com/gpu.present=true -o name | head -1)"
 kubectl taint "$GPU_NODE" nvidia.com/gpu=present:NoSchedule --overwrite
-docker build -f e2e/kind/Dockerfile.proxy -t rolloutfleet-proxy:e2e .
-docker build -f e2e/kind/Dockerfile.refengine -t rolloutfleet-refengine:e2e .
-docker build -f e2e/kind/Dockerfile.operator -t rolloutfleet-operator:0.1.0 .
-kind load docker-image --name "$NAME" rolloutfleet-proxy:e2e rolloutfleet-refengine:e2e rolloutfleet-operator:0.1.0
+# No GPU either: the GPU node advertises nvidia.com/gpu capacity through its status, as the local
+# cluster's GPU node does.
+kubectl patch "$GPU_NODE" --subresource=status --type=merge -p '{"status":{"capacity":{"nvidia.com/gpu":"8"}}}'
+# The product's images, the test kit's (stand-ins and the real sglang-router) and the SGLang
+# emulator's (a test stand-in for GPU SGLang servers, with torch).
+for image in proxy operator testkit sglang-emulator; do
+  DOCKER_BUILDKIT=1 docker build -f "images/$image/Dockerfile" -t "rolloutfleet-$image:$VERSION" .
+done
+docker pull busybox:1.36
+kind load docker-image --name "$NAME" "rolloutfleet-proxy:$VERSION" "rolloutfleet-operator:$VERSION" \
+  "rolloutfleet-testkit:$VERSION" "rolloutfleet-sglang-emulator:$VERSION" busybox:1.36
 export KUBECONFIG="$(mktemp)"
 kind get kubeconfig --name "$NAME" > "$KUBECONFIG"
+# Servers the tests run on this host for pods (engine stand-ins) bind the kind network's gateway.
+export ROLLOUTFLEET_HOST_IP="$(docker network inspect kind -f '{{(index .IPAM.Config 0).Gateway}}')"
 ./dev test tests/e2e -m e2e "$@"

@@ -1,13 +1,16 @@
 """The main job on the local cluster: the operator and the GPU sample fleet, end to end.
 
-Brings up the local control plane (building its binaries on first run, with progress) and the
-process kubelet (a test harness running pods as local processes on a CPU node and a GPU node),
-installs the CRD and the operator's Helm chart, and applies `operator/samples/gpu.yaml` adapted to
-this machine (fleet_setup.local_fleet: the SGLang emulator, a test stand-in for SGLang, runs
-for the engine image). Once the fleet is Ready it sends multi-turn sessions through its proxies
-with the official openai client, prints `kubectl get`, the fleet's conditions and Events, a
-proxy's /stats and the operator's /metrics; then it deletes a proxy pod and shows the replacement
-restoring a live session, and scales the fleet with `kubectl scale`. Every wait is bounded.
+Brings up a real local Kubernetes (the control plane and two real kubelets with containerd, a CPU
+node and a GPU node, kube-proxy and CoreDNS; binaries built on the first run, with progress), builds
+the project's images from its Dockerfiles and imports them into the nodes, installs the CRD and the
+operator's Helm chart, and applies `operator/samples/gpu.yaml` adapted to this machine
+(fleet_setup.local_fleet: the SGLang emulator, a test stand-in for SGLang, runs for the engine
+image). Once the fleet is Ready it sends multi-turn sessions through its proxies with the official
+openai client, prints `kubectl get`, the fleet's conditions and Events, a proxy's /stats and the
+operator's /metrics; then it deletes a proxy pod and shows the replacement restoring a live session,
+scales the fleet with `kubectl scale`, and drives one proxy past its memory budget to show the
+watchdog replacing it before the kernel's OOM killer would (the proxies run under a cgroup memory
+limit), with every delivered turn restored. Every wait is bounded.
 """
 
 from __future__ import annotations
@@ -27,12 +30,12 @@ import httpx
 from rolloutfleet_operator.plan import is_ready
 
 from rolloutfleet_testkit import fleet_setup
-from rolloutfleet_testkit.controlplane.build import ensure_binaries
-from rolloutfleet_testkit.controlplane.cluster import down, up
 from rolloutfleet_testkit.demo import QUESTIONS, run_session, step
+from rolloutfleet_testkit.images import ensure_images
 from rolloutfleet_testkit.kubectl import Kubectl
-from rolloutfleet_testkit.kubelet import ProcessKubelet
+from rolloutfleet_testkit.node import real_cluster
 from rolloutfleet_testkit.processes import wait_until_routed
+from rolloutfleet_testkit.session_ledger import SessionLedger
 from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
 
 NAMESPACE = "rolloutfleet-demo"
@@ -41,6 +44,11 @@ FLEET = "gpu-fleet"  # the sample's own name
 PROXIES, ENGINES, SCALED = 2, 2, 3
 READY_TIMEOUT_S = 420  # first start of torch engines on two shared cores
 REPAIR_TIMEOUT_S = 180
+MIB = 2**20
+PROXY_MEMORY_LIMIT_MIB = 448  # the proxies' cgroup memory limit: the kernel OOM-kills above it
+GROWTH_WORDS_PER_TURN = 20000  # turns with long user messages grow a proxy (live set and heap)
+GROWTH_TURNS_PER_SESSION = 3
+GROWTH_TIMEOUT_S = 300
 
 
 class Clock:
@@ -124,11 +132,20 @@ def install_operator(clock: Clock, kubectl: Kubectl, helm: Path) -> None:
 
 def apply_fleet(clock: Clock, kubectl: Kubectl, tokenizer_dir: Path, work: Path) -> dict[str, Any]:
     fleet = fleet_setup.local_fleet(
-        FLEET, NAMESPACE, tokenizer_dir, work / "dumps", proxies=PROXIES, engines=ENGINES
+        FLEET,
+        NAMESPACE,
+        tokenizer_dir,
+        fleet_setup.pod_writable(work / "dumps"),
+        proxies=PROXIES,
+        engines=ENGINES,
+        # Off until the watchdog step sets a budget from what the proxies rest at.
+        memory={"rssBudgetBytes": 0, "checkIntervalSeconds": 2, "consecutiveSamples": 2},
+        proxy_memory_limit=f"{PROXY_MEMORY_LIMIT_MIB}Mi",
     )
     clock.step(
-        f"applying operator/samples/gpu.yaml as {FLEET}: {PROXIES} proxies, the SGLang router, "
-        f"{ENGINES} engines on the GPU node; waiting for Ready"
+        f"applying operator/samples/gpu.yaml as {FLEET}: {PROXIES} proxies (memory limit "
+        f"{PROXY_MEMORY_LIMIT_MIB} MiB), the SGLang router, {ENGINES} engines on the GPU node; "
+        "waiting for Ready"
     )
     print(kubectl("apply", "-f", "-", input=json.dumps(fleet)).rstrip())
     status = wait_fleet_ready(clock, kubectl, PROXIES, READY_TIMEOUT_S)
@@ -276,6 +293,83 @@ def scale(clock: Clock, kubectl: Kubectl) -> None:
     )
 
 
+def proxy_rss(url: str) -> int:
+    return httpx.get(f"{url}/stats", timeout=10).json()["rss_bytes"]
+
+
+def oom_killed(kubectl: Kubectl) -> list[str]:
+    """Proxy containers that report an OOM kill (current or last state)."""
+    pods = kubectl.json("pods", "-l", fleet_setup.component_selector(FLEET, "proxy"))["items"]
+    return [
+        pod["metadata"]["name"]
+        for pod in pods
+        for status in (pod.get("status") or {}).get("containerStatuses") or []
+        for state in (status.get("state") or {}, status.get("lastState") or {})
+        if (state.get("terminated") or {}).get("reason") == "OOMKilled"
+    ]
+
+
+def watchdog_before_the_kernel(clock: Clock, kubectl: Kubectl, key: str) -> None:
+    """One proxy grows past its RSS budget (below its cgroup limit); the watchdog replaces it
+    gracefully before the kernel would OOM-kill it, and the replacement restores every turn."""
+    name, url = next(iter(pod_urls(kubectl, "proxy", fleet_setup.PROXY_PORT).items()))
+    resting = proxy_rss(url)
+    budget = (resting + PROXY_MEMORY_LIMIT_MIB * MIB) // 2
+    clock.step(
+        f"memory watchdog: {name} rests at {resting / MIB:.0f} MiB under its {PROXY_MEMORY_LIMIT_MIB} MiB "
+        f"cgroup limit; kubectl patch rf/{FLEET}: spec.proxy.memory.rssBudgetBytes = {budget / MIB:.0f} MiB"
+    )
+    patch = {"spec": {"proxy": {"memory": {"rssBudgetBytes": budget}}}}
+    kubectl("patch", "rf", FLEET, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch))
+    uid = kubectl.json("pod", name)["metadata"]["uid"]
+    ledger = SessionLedger(key)
+    clock.step(
+        f"growing {name}: sessions of {GROWTH_TURNS_PER_SESSION} turns of {GROWTH_WORDS_PER_TURN} words each"
+    )
+    session, last_line = None, None
+    deadline = time.monotonic() + GROWTH_TIMEOUT_S
+    while time.monotonic() < deadline:
+        pod = kubectl.json("pod", name, missing_ok=True)
+        if not pod or pod["metadata"]["uid"] != uid or pod["metadata"].get("deletionTimestamp"):
+            break  # the watchdog is replacing it
+        if session is None or len(session.delivered) >= GROWTH_TURNS_PER_SESSION:
+            session = ledger.try_create(name, url) or session  # refused near the budget: go on
+        if session is None or not ledger.try_turn(url, session, GROWTH_WORDS_PER_TURN):
+            time.sleep(0.5)
+            continue
+        line = (
+            f"{ledger.delivered_turns()} turns delivered; RSS {proxy_rss(url) / MIB:.0f} MiB "
+            f"(budget {budget / MIB:.0f}, limit {PROXY_MEMORY_LIMIT_MIB})"
+        )
+        if line != last_line:
+            print(f"    [{clock.elapsed()}] {line}", flush=True)
+            last_line = line
+    else:
+        raise TimeoutError(f"{name} was not replaced within {GROWTH_TIMEOUT_S}s")
+
+    def probe() -> tuple[Any, str]:
+        pod = kubectl.json("pod", name, missing_ok=True)
+        replaced = bool(pod) and pod["metadata"]["uid"] != uid
+        state = "terminating (draining, writing its sessions)" if not replaced else "replacement starting"
+        done = replaced and is_ready(pod)
+        return done, f"{name}: {'replacement Ready, sessions restored' if done else state}"
+
+    wait_until(clock, f"{name}'s replacement", probe, REPAIR_TIMEOUT_S)
+    url = pod_urls(kubectl, "proxy", fleet_setup.PROXY_PORT)[name]
+    losses = ledger.check({name: url})
+    sessions = len(ledger.sessions.get(name, []))
+    clock.step(
+        f"{name} replaced by the watchdog before the kernel acted: {sessions} sessions and "
+        f"{ledger.delivered_turns()} delivered turns; on the replacement {losses.sessions} sessions and "
+        f"{losses.turns} turns missing or different (checked token by token); RSS now "
+        f"{proxy_rss(url) / MIB:.0f} MiB; OOM-killed containers: {oom_killed(kubectl) or 'none'}"
+    )
+    restarts = fleet_status(kubectl).get("memoryRestarts", {})
+    clock.step(f"status.memoryRestarts: {json.dumps(restarts)}")
+    if losses.counts() != (0, 0):
+        raise RuntimeError(f"the replacement of {name} lost {losses}")
+
+
 def show_fleet_and_repair(clock: Clock, kubectl: Kubectl, tokenizer_dir: Path, work: Path) -> None:
     apply_fleet(clock, kubectl, tokenizer_dir, work)
     key = fleet_setup.admin_key(kubectl.json("secret", f"{FLEET}-admin-key"))
@@ -284,6 +378,7 @@ def show_fleet_and_repair(clock: Clock, kubectl: Kubectl, tokenizer_dir: Path, w
     seen = show_fleet(clock, kubectl, urls)
     repair(clock, kubectl, urls, key)
     scale(clock, kubectl)
+    watchdog_before_the_kernel(clock, kubectl, key)
     clock.step(f"{FLEET}'s Events since the first listing")
     seen_uids = {e["metadata"]["uid"] for e in seen}
     print(event_lines([e for e in fleet_events(kubectl) if e["metadata"]["uid"] not in seen_uids]))
@@ -293,27 +388,20 @@ def main(argv: list[str] | None = None) -> int:
     clock = Clock()
     cache = Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet"))
     work = Path(tempfile.mkdtemp(prefix="rolloutfleet-demo-"))
-    clock.step(
-        "control-plane binaries and helm (built from the Go module proxy on the first run, then cached)"
-    )
-    bin_dir = ensure_binaries()
     tokenizer_dir = build_test_tokenizer(cache / "test-tokenizer")
-    clock.step("starting the local control plane")
-    try:
-        state = up(work / "cluster")
-        kubectl = Kubectl(bin_dir / "kubectl", state.kubeconfig, NAMESPACE)
-        clock.step("starting the process kubelet (a CPU node and a GPU node; pods run as local processes)")
-        kubelet = ProcessKubelet(state.kubeconfig, work / "kubelet").start()
-        try:
-            install_operator(clock, kubectl, bin_dir / "helm")
-            show_fleet_and_repair(clock, kubectl, tokenizer_dir, work)
-        finally:
-            clock.step("stopping the kubelet (pods' processes end) and the control plane")
-            kubelet.stop()
-    finally:
-        down(work / "cluster")  # ends what `up` started, even if it failed half-way
-        step(f"pod logs (operator, proxies, router, engines) in {work / 'kubelet' / 'logs'}")
-        step(f"proxy dumps in {work / 'dumps'}")
+    clock.step("a real local Kubernetes: control plane, two kubelets with containerd, kube-proxy, CoreDNS")
+    with real_cluster(work / "cluster") as node:
+        kubectl = Kubectl(node.bin_dir / "kubectl", node.kubeconfig, NAMESPACE)
+        clock.step(
+            "the project's images, built from its Dockerfiles (cached by content), imported into the nodes"
+        )
+        ensure_images(("proxy", "operator", "testkit"), node.containerd_addresses)
+        ensure_images(("sglang-emulator",), node.gpu_containerd_addresses)
+        print(kubectl("get", "nodes", "-o", "wide").rstrip())
+        install_operator(clock, kubectl, node.bin_dir / "helm")
+        show_fleet_and_repair(clock, kubectl, tokenizer_dir, work)
+        clock.step("stopping the nodes (pods end) and the control plane")
+    step(f"proxy dumps in {work / 'dumps'}")
     clock.step("done")
     return 0
 

@@ -2,9 +2,10 @@
 
 Shared by the main job (`./dev demo`) and the operator's e2e tests. `local_fleet` starts from
 `operator/samples/gpu.yaml` and changes only what this machine cannot provide: volumes become
-hostPaths (the locally built test tokenizer stands in for the model; the process kubelet runs the
-SGLang emulator, a test stand-in for SGLang, for the engine image), and resource requests
-shrink to fit the process kubelet's nodes. Everything else is the sample as users apply it.
+hostPaths (the locally built test tokenizer stands in for the model), the engines run the SGLang
+emulator's image (a test stand-in for SGLang, behind SGLang's own command line), the gateway the
+test kit's (the real sglang-router), and resource requests shrink to fit this machine.
+Everything else is the sample as users apply it.
 The rest are small helpers both use: reading a fleet's status, finding its pods by label, and
 talking to a proxy the way a rollout worker does (plain HTTP, the admin key from the fleet's Secret).
 """
@@ -24,9 +25,15 @@ CHART = ROOT / "charts" / "rolloutfleet-operator"
 CRDS = ROOT / "crds"
 GPU_SAMPLE = ROOT / "operator" / "samples" / "gpu.yaml"
 HELM_WAIT_S = 300  # the operator pod's start-up, generous for a loaded 2-core machine
-OPERATOR_IMAGE = "rolloutfleet-operator"  # the process kubelet runs `python -m rolloutfleet_operator`
+OPERATOR_IMAGE = "rolloutfleet-operator"  # images/operator, tagged with the chart's appVersion
+# images/testkit: the real sglang-router and the test kit's stand-ins; images/sglang-emulator: the
+# SGLang emulator (a test stand-in for GPU SGLang servers) behind SGLang's command line. Built
+# locally like every image here.
+TESTKIT_IMAGE = "rolloutfleet-testkit:0.1.0"
+EMULATOR_IMAGE = "rolloutfleet-sglang-emulator:0.1.0"
 OPERATOR_LABEL = "app.kubernetes.io/name=rolloutfleet-operator"
 OPERATOR_METRICS_PORT = 8080  # the chart's metricsPort
+WEIGHTS_MOUNT = "/weights"  # where local_fleet's engines see weights_dir
 PROXY_PORT = 8000  # the CRD's default spec.proxy.port (the sample keeps it)
 GATEWAY_PORT = 30080
 
@@ -40,9 +47,13 @@ def local_fleet(
     engines: int | None = None,
     memory: dict[str, Any] | None = None,
     engine_token_delay_s: float | None = None,
+    weights_dir: str | Path | None = None,
+    proxy_memory_limit: str | None = None,
 ) -> dict[str, Any]:
     """The GPU sample, adapted to the local cluster (pure apart from reading the sample file).
-    `engine_token_delay_s` slows the emulated engines' decode steps (generations stay in flight)."""
+    `engine_token_delay_s` slows the emulated engines' decode steps (generations stay in flight);
+    `weights_dir` is mounted into the engines at WEIGHTS_MOUNT, for weight updates from disk;
+    `proxy_memory_limit` is the proxies' cgroup memory limit (e.g. "448Mi")."""
     fleet = yaml.safe_load(GPU_SAMPLE.read_text())
     fleet["metadata"] = {"name": name, "namespace": namespace}
     proxy, engine = fleet["spec"]["proxy"], fleet["spec"]["engines"]
@@ -51,16 +62,25 @@ def local_fleet(
     if engines is not None:
         engine["replicas"] = engines
     proxy["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"}}
+    if proxy_memory_limit is not None:
+        proxy["resources"]["limits"] = {"memory": proxy_memory_limit}
     proxy["tokenizer"]["volume"] = {"hostPath": {"path": str(tokenizer_dir), "type": "Directory"}}
     proxy["dump"] = {"path": proxy["dump"]["path"], "hostPath": {"path": str(dump_dir)}}
     proxy["terminationGracePeriodSeconds"] = 30
     proxy["drainGraceSeconds"] = 10
     proxy["memory"] = copy.deepcopy(memory) if memory is not None else {"rssBudgetBytes": 0}
     fleet["spec"]["gateway"]["resources"] = {"requests": {"cpu": "100m", "memory": "128Mi"}}
+    fleet["spec"]["gateway"]["image"] = TESTKIT_IMAGE
+    engine["image"] = EMULATOR_IMAGE
     engine["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}}
     engine["modelPath"] = "/models"
     engine["volumes"] = [{"name": "model", "hostPath": {"path": str(tokenizer_dir), "type": "Directory"}}]
     engine["volumeMounts"] = [{"name": "model", "mountPath": "/models", "readOnly": True}]
+    if weights_dir is not None:
+        engine["volumes"].append(
+            {"name": "weights", "hostPath": {"path": str(weights_dir), "type": "Directory"}}
+        )
+        engine["volumeMounts"].append({"name": "weights", "mountPath": WEIGHTS_MOUNT, "readOnly": True})
     if engine_token_delay_s is not None:
         engine["args"] = [*engine.get("args", []), "--token-delay-s", str(engine_token_delay_s)]
     return fleet
@@ -74,7 +94,7 @@ def external_fleet(
     replicas: int,
     **proxy: Any,
 ) -> dict[str, Any]:
-    """A fleet in front of an engine served outside the cluster (a stand-in on 127.0.0.1), routed
+    """A fleet in front of an engine served outside the cluster (a stand-in on this machine), routed
     round-robin with `--worker-urls`; `proxy` adds to spec.proxy (dump, memory, image, env, …)."""
     tokenizer = {"path": "/models/tokenizer", "volume": {"hostPath": {"path": str(tokenizer_dir)}}}
     return {
@@ -83,10 +103,24 @@ def external_fleet(
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "proxy": {"replicas": replicas, "tokenizer": tokenizer, **proxy},
-            "gateway": {"policy": "round_robin"},
+            "gateway": {"policy": "round_robin", "image": TESTKIT_IMAGE},
             "externalEngineUrls": [engine_url],
         },
     }
+
+
+def pod_writable(path: str | Path) -> Path:
+    """A host directory for a hostPath volume that pods running as any user (the proxy image runs as
+    uid 65532) can write: created world-writable, and every directory above it made traversable
+    (pytest's temporary directories are private to root)."""
+    path = Path(path).resolve()
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o777)
+    for parent in path.parents:
+        mode = parent.stat().st_mode
+        if not mode & 0o001:
+            parent.chmod(mode | 0o005)
+    return path
 
 
 def helm_install_args(

@@ -13,7 +13,10 @@ ENGINE_PORT = 30000
 ROUTER_PORT = 30080
 PROXY_PORT = 8000
 ENGINE_LABELS = {"app.kubernetes.io/name": "sample-engine"}
-POD_IP_ENV = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+# images/sglang-emulator: the SGLang emulator behind SGLang's own command line (a test stand-in for
+# lmsysorg/sglang, which needs a GPU); images/testkit: the real sglang-router.
+EMULATOR_IMAGE = "rolloutfleet-sglang-emulator:0.1.0"
+TESTKIT_IMAGE = "rolloutfleet-testkit:0.1.0"
 
 
 def _http_probe(path: str, port: int) -> dict[str, Any]:
@@ -42,22 +45,21 @@ def router_rbac(namespace: str) -> list[dict[str, Any]]:
 
 
 def engines(namespace: str, replicas: int, tokenizer_dir: str) -> dict[str, Any]:
-    """SGLang engine Deployment on GPU nodes (the process kubelet runs the SGLang emulator for it)."""
+    """SGLang engine Deployment on GPU nodes (the SGLang emulator's image stands in for SGLang's)."""
     container = {
         "name": "engine",
-        "image": "lmsysorg/sglang:latest",
+        "image": EMULATOR_IMAGE,
         "command": ["python3", "-m", "sglang.launch_server"],
         "args": [
             "--model-path",
             "/models/tokenizer",
             "--host",
-            "$(POD_IP)",
+            "0.0.0.0",
             "--port",
             str(ENGINE_PORT),
             "--tp-size",
             "1",
         ],
-        "env": [POD_IP_ENV],
         "resources": {"limits": {"nvidia.com/gpu": "1"}},
         "volumeMounts": [{"name": "model", "mountPath": "/models/tokenizer", "readOnly": True}],
         "readinessProbe": _http_probe("/health", ENGINE_PORT),
@@ -86,11 +88,11 @@ def router(namespace: str) -> dict[str, Any]:
     selector = [f"{k}={v}" for k, v in ENGINE_LABELS.items()]
     container = {
         "name": "router",
-        "image": "lmsysorg/sglang-router:latest",
+        "image": TESTKIT_IMAGE,
         "command": ["python3", "-m", "sglang_router.launch_router"],
         "args": [
             "--host",
-            "$(POD_IP)",
+            "0.0.0.0",
             "--port",
             str(ROUTER_PORT),
             "--service-discovery",
@@ -103,13 +105,12 @@ def router(namespace: str) -> dict[str, Any]:
             "--policy",
             "round_robin",
             "--prometheus-host",
-            "$(POD_IP)",
+            "0.0.0.0",
             "--prometheus-port",
             "29000",
             "--log-level",
             "warn",
         ],
-        "env": [POD_IP_ENV],
         "readinessProbe": _http_probe("/health", ROUTER_PORT),
     }
     return {

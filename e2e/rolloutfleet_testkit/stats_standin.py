@@ -1,6 +1,6 @@
 """/stats stand-in: a TEST STAND-IN for the proxy, with only what the memory watchdog looks at.
 
-It runs where a proxy pod would (image `rolloutfleet-stats-standin`, see kubelet/images.py),
+It runs where a proxy pod would (the test kit image, images/testkit, with TESTKIT_PROGRAM=stats-standin),
 accepts the proxy's command line (`--host`, `--port`; every other flag and every environment
 variable of the proxy is ignored) and serves:
 

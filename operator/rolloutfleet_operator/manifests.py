@@ -9,9 +9,9 @@ names; everything else comes from `desired_children`. The admin-key Secret is bu
 Proxy settings reach the proxy as environment variables named by `rolloutfleet_proxy.settings.ENV`,
 the proxy's own table, so the operator and the proxy cannot disagree on a name.
 
-Servers bind `$(POD_IP)` (the pod's own address, from the downward API) rather than 0.0.0.0: on a
-real cluster each pod has its own network namespace either way, and on the process kubelet of the
-test harness, where pods share the host's, 0.0.0.0 on a fixed port would collide between pods.
+Servers bind the wildcard address (`0.0.0.0`), as containers normally do: each pod has its own
+network namespace, and a wildcard bind also answers `kubectl port-forward` (which connects to the
+pod's loopback), unlike a bind to the pod's own IP.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
 ENGINE_STARTUP_S = 3600  # loading a large model's weights can take tens of minutes
 NONROOT_ID = 65532
 
-POD_IP_ENV: Manifest = {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+BIND_ALL = "0.0.0.0"
 
 TOKENIZER_VOLUME = "tokenizer"
 DUMP_VOLUME = "dumps"
@@ -145,7 +145,6 @@ def _proxy_env(fleet: Fleet, pod_name: str, public_url: str) -> list[Manifest]:
     proxy = fleet.proxy
     secret = fleet.admin_key_ref
     injected = [
-        POD_IP_ENV,
         _env(ENV["upstream_url"], gateway_url(fleet)),
         _env(ENV["tokenizer_path"], proxy.tokenizer.path),
         _env(ENV["stale_session_timeout_s"], proxy.stale_session_timeout_s),
@@ -221,7 +220,7 @@ def _proxy_pod_body(fleet: Fleet, pod_name: str) -> Manifest:
         "name": PROXY_CONTAINER,
         "image": proxy.image,
         "imagePullPolicy": proxy.image_pull_policy,
-        "args": ["--host", "$(POD_IP)", "--port", str(proxy.port)],
+        "args": ["--host", BIND_ALL, "--port", str(proxy.port)],
         "env": _proxy_env(fleet, pod_name, public_url),
         "ports": [{"name": "http", "containerPort": proxy.port, "protocol": "TCP"}],
         "volumeMounts": mounts,
@@ -370,7 +369,7 @@ def gateway_role_binding(fleet: Fleet) -> Manifest:
 
 def gateway_args(fleet: Fleet) -> list[str]:
     gateway = fleet.gateway
-    args = ["--host", "$(POD_IP)", "--port", str(gateway.port), "--policy", gateway.policy]
+    args = ["--host", BIND_ALL, "--port", str(gateway.port), "--policy", gateway.policy]
     if fleet.engines is not None:
         selector = [f"{k}={v}" for k, v in sorted(labels(fleet, "engine").items())]
         args += [
@@ -384,7 +383,7 @@ def gateway_args(fleet: Fleet) -> list[str]:
         ]
     else:
         args += ["--worker-urls", *fleet.external_engine_urls]
-    args += ["--prometheus-host", "$(POD_IP)", "--prometheus-port", str(gateway.metrics_port)]
+    args += ["--prometheus-host", BIND_ALL, "--prometheus-port", str(gateway.metrics_port)]
     return args + list(gateway.extra_args)
 
 
@@ -395,7 +394,6 @@ def gateway_deployment(fleet: Fleet) -> Manifest:
         "image": gateway.image,
         "command": ["python3", "-m", "sglang_router.launch_router"],
         "args": gateway_args(fleet),
-        "env": [copy.deepcopy(POD_IP_ENV)],
         "ports": [
             {"name": "http", "containerPort": gateway.port, "protocol": "TCP"},
             {"name": "metrics", "containerPort": gateway.metrics_port, "protocol": "TCP"},
@@ -453,7 +451,7 @@ def engine_deployment(fleet: Fleet) -> Manifest:
             "--model-path",
             engines.model_path,
             "--host",
-            "$(POD_IP)",
+            BIND_ALL,
             "--port",
             str(engines.port),
             "--tp-size",
@@ -495,7 +493,7 @@ def engine_deployment(fleet: Fleet) -> Manifest:
 
 
 def engine_env(fleet: Fleet) -> list[Manifest]:
-    env = [copy.deepcopy(POD_IP_ENV), _env(HEALTH_GENERATION_ENV, "0")]
+    env = [_env(HEALTH_GENERATION_ENV, "0")]
     if fleet.proxy.engine_logprobs == "original":  # the engines and the proxies' records agree
         env.append(_env(ORIGINAL_LOGPROB_ENV, "1"))
     return env

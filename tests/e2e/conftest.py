@@ -1,14 +1,16 @@
 """The cluster the e2e suite runs against.
 
-Cluster-agnostic: with KUBECONFIG set, the tests use that cluster (e.g. kind); otherwise they start
-the local control plane (binaries built from the Go module proxy on first use, then cached) for
-the test session and stop it at the end, with the process kubelet (a test harness, in this
-process) registering rf-cpu-node and rf-gpu-node and running scheduled pods as local processes.
+Cluster-agnostic: with KUBECONFIG set, the tests use that cluster (e.g. kind, whose nodes must hold
+the project's images; ROLLOUTFLEET_HOST_IP names the address its pods reach this machine at).
+Otherwise they start a real local Kubernetes for the test session and stop it at the end: the
+control plane and two real kubelets (`rf-cpu-node`, and `rf-gpu-node` with `nvidia.com/gpu` capacity,
+label and taint) with containerd and runc, kube-proxy and CoreDNS (`rolloutfleet_testkit.node`), with
+the project's images built locally from its Dockerfiles and imported into the nodes
+(`rolloutfleet_testkit.images`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
@@ -17,18 +19,21 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from rolloutfleet_testkit.kubectl import Kubectl
+
+# What the e2e tests run: the product's images and the test kit's (stand-ins and the real router).
+IMAGES = ("proxy", "operator", "testkit", "busybox")
+GPU_IMAGES = ("sglang-emulator",)  # gigabytes (torch): only where engines run
 
 
 @dataclass
 class Cluster:
     kubeconfig: str
-    kubelet: Any | None  # the in-process ProcessKubelet, None on an external cluster
     local: bool
-    bin_dir: Path | None  # where kubectl and helm are (local control plane), else from PATH
+    bin_dir: Path | None  # where kubectl and helm are (local cluster), else from PATH
+    host_ip: str  # an address of this machine the cluster's pods can reach (servers for pods bind it)
 
     def kubectl(
         self, *args: str, check: bool = True, input: str | None = None
@@ -39,42 +44,31 @@ class Cluster:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
         return result
 
-
-@contextlib.contextmanager
-def process_kubelet(kubeconfig: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """The process kubelet (test harness) in this process: rf-cpu-node and rf-gpu-node run pods."""
-    from rolloutfleet_testkit.kubelet import ProcessKubelet
-
-    kubelet = ProcessKubelet(kubeconfig, tmp_path_factory.mktemp("kubelet")).start()
-    try:
-        yield kubelet
-    finally:
-        kubelet.stop()
+    def logs(self, namespace: str, pod: str, container: str | None = None) -> str:
+        """A container's log through the API server and the kubelet (`kubectl logs`); '' if none yet."""
+        args = ["logs", pod, "-n", namespace, *(["-c", container] if container else [])]
+        result = self.kubectl(*args, check=False)
+        return result.stdout if result.returncode == 0 else ""
 
 
 @pytest.fixture(scope="session")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     external = os.environ.get("KUBECONFIG")
     if external:
-        # An external cluster has its own kubelets; ROLLOUTFLEET_PROCESS_KUBELET=1 adds the process
-        # kubelet's nodes anyway (e.g. for a control plane started with `controlplane up`).
-        if os.environ.get("ROLLOUTFLEET_PROCESS_KUBELET") == "1":
-            with process_kubelet(external, tmp_path_factory) as kubelet:
-                yield Cluster(external, kubelet, local=False, bin_dir=None)
-        else:
-            yield Cluster(external, None, local=False, bin_dir=None)
+        yield Cluster(external, local=False, bin_dir=None, host_ip=os.environ.get("ROLLOUTFLEET_HOST_IP", ""))
         return
-    from rolloutfleet_testkit.controlplane.build import ensure_binaries
-    from rolloutfleet_testkit.controlplane.cluster import down, up
+    from rolloutfleet_testkit.images import ensure_images
+    from rolloutfleet_testkit.node import real_cluster
+    from rolloutfleet_testkit.node.host import host_state
 
-    bin_dir = ensure_binaries()
-    root = tmp_path_factory.mktemp("cluster")
-    state = up(root)
-    try:
-        with process_kubelet(state.kubeconfig, tmp_path_factory) as kubelet:
-            yield Cluster(state.kubeconfig, kubelet, local=True, bin_dir=bin_dir)
-    finally:
-        down(root)
+    before = host_state()
+    with real_cluster(tmp_path_factory.mktemp("cluster")) as node:
+        ensure_images(IMAGES, node.containerd_addresses)
+        ensure_images(GPU_IMAGES, node.gpu_containerd_addresses)
+        yield Cluster(node.kubeconfig, local=True, bin_dir=node.bin_dir, host_ip=node.bridge_ip)
+    # Teardown put back every machine-wide setting the nodes changed (an error here fails the run).
+    after = host_state()
+    assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after[k]}
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +76,18 @@ def kube(cluster: Cluster):
     from kubernetes import config
 
     return config.new_client_from_config(config_file=cluster.kubeconfig)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pods_read_the_test_tokenizer(test_tokenizer_dir: Path) -> None:
+    """Pods mount the test tokenizer from this machine (hostPath) and run as non-root users: its
+    directory and the ones above it (pytest's are private to root) must be readable by them."""
+    for path in (test_tokenizer_dir, *test_tokenizer_dir.parents):
+        mode = path.stat().st_mode
+        if mode & 0o005 != 0o005:
+            path.chmod(mode | 0o005)
+    for file in test_tokenizer_dir.rglob("*"):
+        file.chmod(file.stat().st_mode | 0o004 | (0o001 if file.is_dir() else 0))
 
 
 @pytest.fixture

@@ -16,8 +16,8 @@ def installed_operator(cluster, namespace: str, release: str) -> Iterator[str]:
     """The CRD applied and the operator installed by its chart into `namespace`, watching it; yields
     the operator's Deployment name. Uninstalled (and the namespace deleted) afterwards."""
     helm = str(cluster.bin_dir / "helm") if cluster.bin_dir else shutil.which("helm")
-    if cluster.kubelet is None or helm is None:
-        pytest.skip("runs the operator image through the process kubelet, installed with helm")
+    if helm is None:
+        pytest.skip("installs the operator with helm, which is not on PATH")
     cluster.kubectl("apply", "-f", str(fleet_setup.CRDS))
     cluster.kubectl(
         "wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s"

@@ -21,7 +21,7 @@ spec:
     metadata: {labels: {app: web}}
     spec:
       containers:
-      - {name: web, image: busybox, command: ["sleep", "600"]}
+      - {name: web, image: "busybox:1.36", command: ["sleep", "600"]}
 """
 
 

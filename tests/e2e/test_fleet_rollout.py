@@ -4,7 +4,7 @@ fleet's status as its only configuration. Sessions spread over every proxy and s
 when an owner is deleted mid-rollout, or restarted by the memory watchdog, every session completes
 with all its turns; a session whose dump was removed on purpose is reported as lost, by name.
 
-The engine is the fixed-latency upstream stand-in (a test stand-in for SGLang) on 127.0.0.1, behind
+The engine is the fixed-latency upstream stand-in (a test stand-in for SGLang) on this machine, behind
 the real router; the latency keeps sessions in flight while proxies come and go. When a prompt offers
 tools, it answers as a tool-using model would (the calculator stand-in): the second rollout runs
 with the calculator tool, so its sessions take tool turns while the watchdog restarts their owners.
@@ -61,8 +61,8 @@ def fleet_ready(cluster, replicas: int = REPLICAS) -> bool:
     return conditions.get("Ready") == "True" and len(pods) == replicas and all(map(is_ready, pods.values()))
 
 
-def start_rollout(cluster, harness, work: Path, name: str, sessions: int, turns: int, *extra: str) -> Path:
-    """The example rollout as a pod, configured by the fleet object only; returns its log file."""
+def start_rollout(cluster, work: Path, name: str, sessions: int, turns: int, *extra: str) -> None:
+    """The example rollout as a pod (the test kit's image), configured by the fleet object only."""
     (work / "fleet.json").write_text(
         cluster.kubectl("get", "rf", FLEET, "-n", NAMESPACE, "-o", "json").stdout
     )
@@ -77,7 +77,8 @@ def start_rollout(cluster, harness, work: Path, name: str, sessions: int, turns:
             "containers": [
                 {
                     "name": "rollout",
-                    "image": "rolloutfleet-rollout-example:0.1.0",
+                    "image": fleet_setup.TESTKIT_IMAGE,
+                    "command": ["rolloutfleet-rollout-example"],
                     "args": args,
                     "env": [
                         {
@@ -92,12 +93,12 @@ def start_rollout(cluster, harness, work: Path, name: str, sessions: int, turns:
         },
     }
     cluster.kubectl("apply", "-f", "-", input=json.dumps(pod))
-    log = harness.log_path(NAMESPACE, name, "rollout")
-    wait_for(lambda: log.exists() and "rollout:" in log.read_text(), timeout_s=60, what=f"{name} to start")
-    return log
+    wait_for(
+        lambda: "rollout:" in cluster.logs(NAMESPACE, name, "rollout"), timeout_s=120, what=f"{name} to start"
+    )
 
 
-def rollout_summary(cluster, log: Path, name: str) -> dict:
+def rollout_summary(cluster, name: str) -> dict:
     phase = wait_for(
         lambda: (
             (get(cluster, "pod", name).get("status") or {}).get("phase") in ("Succeeded", "Failed")
@@ -107,19 +108,19 @@ def rollout_summary(cluster, log: Path, name: str) -> dict:
         what=f"{name} to finish",
         interval_s=1,
     )
-    lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
-    assert lines, f"{name} ended ({phase}) without a summary:\n{log.read_text()[-3000:]}"
+    log = cluster.logs(NAMESPACE, name, "rollout")
+    lines = [line for line in log.splitlines() if line.startswith("{")]
+    assert lines, f"{name} ended ({phase}) without a summary:\n{log[-3000:]}"
     return json.loads(lines[-1])
 
 
 def test_sessions_ride_through_proxy_replacement_and_lost_ones_are_named(
     cluster, operator_namespace, test_tokenizer_dir, tmp_path
 ):
-    harness = cluster.kubelet
-    dumps = tmp_path / "dumps"
+    dumps = fleet_setup.pod_writable(tmp_path / "dumps")
     model = CalculatorModel(test_tokenizer_dir)
     stub = create_upstream_stub(TURN_LATENCY_S, 8, ruled=model.replies())
-    with serve_app(stub) as engine_url:
+    with serve_app(stub, host=cluster.host_ip) as engine_url:
         fleet = fleet_setup.external_fleet(
             FLEET,
             NAMESPACE,
@@ -136,7 +137,7 @@ def test_sessions_ride_through_proxy_replacement_and_lost_ones_are_named(
         wait_for(lambda: fleet_ready(cluster), timeout_s=180, what="the fleet Ready", interval_s=1)
 
         # 1. An owner deleted mid-rollout, and another's sessions lost on purpose.
-        log = start_rollout(cluster, harness, tmp_path, "rollout-a", sessions=24, turns=6)
+        start_rollout(cluster, fleet_setup.pod_writable(tmp_path / "work"), "rollout-a", sessions=24, turns=6)
         time.sleep(3 * TURN_LATENCY_S + 1)  # every session is under way
         before = {name: pod["metadata"]["uid"] for name, pod in proxy_pods(cluster).items()}
         cluster.kubectl("delete", "pod", f"{FLEET}-proxy-1", "-n", NAMESPACE, "--wait=false")
@@ -154,7 +155,7 @@ def test_sessions_ride_through_proxy_replacement_and_lost_ones_are_named(
         for path in list(live.iterdir()):
             path.unlink()
         cluster.kubectl("scale", "rf", FLEET, "-n", NAMESPACE, "--replicas=3")
-        summary = rollout_summary(cluster, log, "rollout-a")
+        summary = rollout_summary(cluster, "rollout-a")
 
         assert set(summary["sessions_per_proxy"]) == {
             f"http://{FLEET}-proxy-{i}.{FLEET}-proxies.{NAMESPACE}.svc:8000" for i in range(REPLICAS)
@@ -171,11 +172,11 @@ def test_sessions_ride_through_proxy_replacement_and_lost_ones_are_named(
         # RSS; one restart each, then a 10-minute cooldown), while sessions take tool turns: nothing
         # is lost.
         wait_for(lambda: fleet_ready(cluster), timeout_s=120, what="the fleet Ready again", interval_s=1)
-        log = start_rollout(cluster, harness, tmp_path, "rollout-b", 24, 6, "--tools")
+        start_rollout(cluster, fleet_setup.pod_writable(tmp_path / "work"), "rollout-b", 24, 6, "--tools")
         time.sleep(3 * TURN_LATENCY_S + 1)
         patch = {"spec": {"proxy": {"memory": {"rssBudgetBytes": 1}}}}
         cluster.kubectl("patch", "rf", FLEET, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch))
-        summary = rollout_summary(cluster, log, "rollout-b")
+        summary = rollout_summary(cluster, "rollout-b")
         assert summary["failures"] == 0, summary["failed_sessions"]
         assert summary["sessions"] == 24 and summary["turns"] == 24 * 6
         assert summary["tool_calls"] == 24, "each session called the calculator once"

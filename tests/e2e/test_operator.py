@@ -1,10 +1,10 @@
-"""The operator, installed with its Helm chart and running as a pod, against the local cluster and
-the process kubelet: a RolloutFleet becomes proxies, a gateway and engines; status follows Kubernetes
+"""The operator, installed with its Helm chart and running as a pod, against the local cluster (real
+kubelets): a RolloutFleet becomes proxies, a gateway and engines; status follows Kubernetes
 conventions; sessions flow through a proxy to an engine and survive the proxy's replacement; a spec
 change rolls the proxies one at a time; scale works both ways (highest ordinals go first); deleting
 the fleet garbage-collects everything; an operator killed mid-reconcile converges without
-duplicates. Engines are CPU reference engines (test stand-ins for SGLang): the GPU sample's engine
-pods on the GPU node, or one served on 127.0.0.1 as an external engine URL."""
+duplicates. Engines are SGLang emulators (test stand-ins for SGLang): the GPU sample's engine
+pods on the GPU node, or one served on this machine as an external engine URL."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -59,7 +60,7 @@ def pod_uid(cluster, namespace: str, name: str) -> str | None:
 
 def test_fleet_lifecycle(cluster, operator, test_tokenizer_dir):
     namespace = operator.namespace
-    with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0)) as engine_url:
+    with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0), host=cluster.host_ip) as engine_url:
         fleet = fleet_setup.external_fleet("f1", namespace, test_tokenizer_dir, engine_url, replicas=2)
         cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
 
@@ -159,9 +160,11 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
     cluster, operator, test_tokenizer_dir, tmp_path
 ):
     namespace = operator.namespace
+    weights = fleet_setup.pod_writable(tmp_path / "weights")
     fleet = fleet_setup.local_fleet(
-        "gpu", namespace, test_tokenizer_dir, tmp_path / "dumps", proxies=2, engines=1,
-        engine_token_delay_s=0.02,  # generations stay in flight while the trainer updates weights
+        "gpu", namespace, test_tokenizer_dir, fleet_setup.pod_writable(tmp_path / "dumps"), proxies=2,
+        engines=1, engine_token_delay_s=0.02,  # generations stay in flight while the trainer updates weights
+        weights_dir=weights,
     )  # fmt: skip
     cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
     status = wait_for(
@@ -191,7 +194,7 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
 
     # The trainer updates the engine's weights in the middle of a rollout, through the endpoints the
     # fleet publishes: once in abort mode (cut generations are continued, tokens kept), once in place.
-    update_weights_mid_rollout(cluster, namespace, status, urls, key, engine, tmp_path)
+    update_weights_mid_rollout(cluster, namespace, status, urls, key, engine, weights)
 
     # The settings the operator injected are the ones the proxy runs with.
     pod = get(cluster, namespace, "pod", "gpu-proxy-1")
@@ -293,7 +296,7 @@ def test_sample_fleet_serves_restores_and_rolls_one_at_a_time(
 
 def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster, operator, test_tokenizer_dir):
     namespace = operator.namespace
-    with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0)) as engine_url:
+    with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0), host=cluster.host_ip) as engine_url:
         fleet = fleet_setup.external_fleet("k1", namespace, test_tokenizer_dir, engine_url, replicas=3)
         (old,) = operator_pods(cluster, operator)
         cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
@@ -338,7 +341,8 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster, ope
         cluster.kubectl("scale", "deployment", operator.deployment, "-n", namespace, "--replicas=1")
 
 
-def update_weights_mid_rollout(cluster, namespace, status, urls, key, engine, tmp_path) -> None:
+def update_weights_mid_rollout(cluster, namespace, status, urls, key, engine, weights: Path) -> None:
+    """Weights are written on this machine into `weights`, which the engine mounts (WEIGHTS_MOUNT)."""
     from rolloutfleet_proxy.trainer_client import TrainerClient
     from rolloutfleet_testkit.sglang_emulator.server import write_weights
 
@@ -364,14 +368,14 @@ def update_weights_mid_rollout(cluster, namespace, status, urls, key, engine, tm
         thread.start()
     with TrainerClient(list(urls.values()), key, engine_urls=status["engineEndpoints"]) as trainer:
         for version, mode in ((1, "abort"), (2, "in_place")):
-            weights = write_weights(tmp_path / f"weights-v{version}", seed=100 + version)
+            write_weights(weights / f"v{version}", seed=100 + version)
             wait_for(
                 lambda: sum(httpx.get(f"{u}/stats").json()["inflight_turns"] for u in urls.values()) >= 2,
                 timeout_s=30,
                 what="turns generating",
                 interval_s=0.05,
             )
-            trainer.update_weights(version, model_path=str(weights), mode=mode)
+            trainer.update_weights(version, model_path=f"{fleet_setup.WEIGHTS_MOUNT}/v{version}", mode=mode)
     for thread in threads:
         thread.join(120)
     assert not errors, errors

@@ -1,4 +1,4 @@
-"""The real SGLang router as a pod, discovering CPU reference-engine pods (test stand-ins for SGLang)
+"""The real SGLang router as a pod, discovering SGLang emulator pods (test stand-ins for SGLang)
 through the Kubernetes API with its own service account's RBAC, and forgetting deleted ones."""
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ def worker_urls(router_url: str) -> set[str]:
 
 
 def test_router_discovers_engines_and_forgets_deleted_ones(cluster, namespace, test_tokenizer_dir):
-    if cluster.kubelet is None:
-        pytest.skip("needs the process kubelet's image table (the reference engine for lmsysorg/sglang)")
     items = [
         *sample.router_rbac(namespace),
         sample.engines(namespace, 2, str(test_tokenizer_dir)),

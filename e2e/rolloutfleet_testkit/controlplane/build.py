@@ -1,4 +1,5 @@
-"""Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl and helm from Go modules.
+"""Build etcd, kube-apiserver, kube-controller-manager, kube-scheduler, kubectl, kubelet, kube-proxy and
+helm from Go modules (and, through rolloutfleet_testkit.node.binaries, CoreDNS and the pause program).
 
 k8s.io/kubernetes cannot be `go install`ed: its go.mod requires its staging modules at v0.0.0 and
 points them at ./staging. A small wrapper module requires it at the release and replaces every
@@ -23,7 +24,15 @@ from pathlib import Path
 
 KUBERNETES_VERSION = "v1.35.4"
 HELM_VERSION = "v3.22.0"
-KUBE_COMMANDS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")
+# kubelet and kube-proxy run the test cluster's nodes (rolloutfleet_testkit.node).
+KUBE_COMMANDS = (
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kubectl",
+    "kubelet",
+    "kube-proxy",
+)
 BINARIES = ("etcd", *KUBE_COMMANDS, "helm")
 ASSETS_ENV = "ROLLOUTFLEET_K8S_ASSETS"
 
@@ -202,13 +211,18 @@ def binaries_dir() -> Path:
 
 
 def ensure_binaries() -> Path:
+    """The release's binaries (bin_dir, returned) and the nodes' CoreDNS and pause program (their own
+    cache directory, rolloutfleet_testkit.node.binaries); only what is missing is built."""
     bin_dir = binaries_dir()
-    if all((bin_dir / b).exists() for b in BINARIES):
-        return bin_dir
-    if shutil.which("go") is None:
-        raise RuntimeError("Go is needed to build the control plane (or set ROLLOUTFLEET_K8S_ASSETS)")
-    say(f"building control-plane binaries into {bin_dir} (first run only; tens of minutes on 2 cores)")
-    return build(bin_dir)
+    if not all((bin_dir / b).exists() for b in BINARIES):
+        if shutil.which("go") is None:
+            raise RuntimeError("Go is needed to build the control plane (or set ROLLOUTFLEET_K8S_ASSETS)")
+        say(f"building control-plane binaries into {bin_dir} (first run only; tens of minutes on 2 cores)")
+        build(bin_dir)
+    from rolloutfleet_testkit.node.binaries import ensure_node_binaries  # it builds with this module's go()
+
+    ensure_node_binaries()
+    return bin_dir
 
 
 def main(argv: list[str] | None = None) -> int:

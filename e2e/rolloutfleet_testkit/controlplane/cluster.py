@@ -52,8 +52,15 @@ class ClusterState:
         return cls(**json.loads(path.read_text())) if path.exists() else None
 
 
-def component_args(name: str, bins: Path, root: Path, pki: Pki, ports: dict[str, int]) -> list[str]:
-    """Command line of one component: a pure function of where things are."""
+LOOPBACK = "127.0.0.1"
+
+
+def component_args(
+    name: str, bins: Path, root: Path, pki: Pki, ports: dict[str, int], address: str = LOOPBACK
+) -> list[str]:
+    """Command line of one component: a pure function of where things are. The API server listens on
+    `address`; any other than loopback is one that pods (on real nodes) reach it at, so it is
+    advertised as the `kubernetes` Service's endpoint and the API server talks to kubelets."""
     etcd_url = f"http://127.0.0.1:{ports['etcd']}"
     common_auth = [
         f"--kubeconfig={root / f'{name}.kubeconfig'}",
@@ -75,12 +82,27 @@ def component_args(name: str, bins: Path, root: Path, pki: Pki, ports: dict[str,
             "--log-level=warn",
         ]
     if name == "kube-apiserver":
+        # A loopback advertise address is refused by the endpoint reconciler: without nodes there is
+        # none to reconcile; with nodes the `kubernetes` Service must point where pods reach it.
+        node_facing = (
+            [
+                "--endpoint-reconciler-type=lease",
+                "--kubelet-preferred-address-types=InternalIP",
+                f"--kubelet-client-certificate={pki.path('apiserver-kubelet-client.crt')}",
+                f"--kubelet-client-key={pki.path('apiserver-kubelet-client.key')}",
+                # The kubelets serve certificates of the cluster's CA (pki.create_pki's nodes).
+                f"--kubelet-certificate-authority={pki.ca_cert}",
+            ]
+            if address != LOOPBACK
+            else ["--endpoint-reconciler-type=none"]
+        )
         return [
             str(bins / "kube-apiserver"),
             f"--etcd-servers={etcd_url}",
-            "--bind-address=127.0.0.1",
+            f"--bind-address={address}",
             f"--secure-port={ports['kube-apiserver']}",
-            "--advertise-address=127.0.0.1",
+            f"--advertise-address={address}",
+            *node_facing,
             f"--tls-cert-file={pki.path('apiserver.crt')}",
             f"--tls-private-key-file={pki.path('apiserver.key')}",
             f"--client-ca-file={pki.ca_cert}",
@@ -89,7 +111,6 @@ def component_args(name: str, bins: Path, root: Path, pki: Pki, ports: dict[str,
             "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
             f"--service-account-key-file={pki.path('sa.pub')}",
             f"--service-account-signing-key-file={pki.path('sa.key')}",
-            "--endpoint-reconciler-type=none",
             "--allow-privileged=true",
             f"--cert-dir={root / 'apiserver-certs'}",
         ]
@@ -134,8 +155,15 @@ def _wait(url: str, timeout_s: float, client: httpx.Client, what: str, logs: Pat
     raise TimeoutError(f"{what} not ready at {url} after {timeout_s}s ({last})\n{tail}")
 
 
-def up(directory: Path | None = None, timeout_s: float = 120) -> ClusterState:
-    """Start a fresh control plane in `directory` (default: the cache's cluster/)."""
+def up(
+    directory: Path | None = None,
+    timeout_s: float = 120,
+    address: str = LOOPBACK,
+    nodes: tuple[str, ...] = (),
+) -> ClusterState:
+    """Start a fresh control plane in `directory` (default: the cache's cluster/). With an `address`
+    other than loopback the API server listens there (where pods reach it) and the PKI holds client
+    certificates for `nodes` (rolloutfleet_testkit.node starts them)."""
     root = (directory or default_dir()).resolve()
     existing = ClusterState.load(root)
     if existing and any(_alive(pid) for pid in existing.pids.values()):
@@ -147,12 +175,13 @@ def up(directory: Path | None = None, timeout_s: float = 120) -> ClusterState:
     logs = root / "logs"
     logs.mkdir(parents=True)
     say(f"certificates and keys in {root / 'pki'}")
-    pki = create_pki(root / "pki")
+    server_ips = (address,) if address != LOOPBACK else ()
+    pki = create_pki(root / "pki", server_ips=server_ips, nodes=nodes)
     ports = {
         name: free_port()
         for name in ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
     }
-    server = f"https://127.0.0.1:{ports['kube-apiserver']}"
+    server = f"https://{address}:{ports['kube-apiserver']}"
     for stem, name in (
         ("admin", "admin"),
         ("controller-manager", "kube-controller-manager"),
@@ -175,7 +204,7 @@ def up(directory: Path | None = None, timeout_s: float = 120) -> ClusterState:
             ),
             ("kube-scheduler", f"https://127.0.0.1:{ports['kube-scheduler']}/healthz", insecure),
         ):
-            state.pids[name] = _start(name, component_args(name, bins, root, pki, ports), logs)
+            state.pids[name] = _start(name, component_args(name, bins, root, pki, ports, address), logs)
             state.save()
             _wait(url, timeout_s, client, name, logs)
             say(f"{name} ready ({time.monotonic() - started:.1f}s)")
@@ -198,7 +227,13 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    return True
+    # Started by an `up` in a process that has exited, it is init's child: a zombie until init reaps
+    # it (seconds, on some machines), and exited all the same.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _remove_tree(root: Path) -> None:

@@ -20,7 +20,16 @@ CLIENTS = {
     "admin": ("kubernetes-admin", "system:masters"),
     "controller-manager": ("system:kube-controller-manager", None),
     "scheduler": ("system:kube-scheduler", None),
+    # The API server's identity towards kubelets (logs, exec, port-forward).
+    "apiserver-kubelet-client": ("kube-apiserver-kubelet-client", "system:masters"),
+    # kube-proxy's user, bound by default to the system:node-proxier role.
+    "kube-proxy": ("system:kube-proxy", None),
 }
+
+
+def node_client(node: str) -> tuple[str, str]:
+    """A kubelet's identity: the user and group RBAC's system:node role is bound to here."""
+    return f"system:node:{node}", "system:nodes"
 
 
 @dataclass(frozen=True)
@@ -100,8 +109,18 @@ def _issue(
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def create_pki(directory: Path, service_ip: str = "10.0.0.1") -> Pki:
-    """Write ca.{crt,key}, apiserver.{crt,key}, <client>.{crt,key} and sa.{key,pub} into directory."""
+def create_pki(
+    directory: Path,
+    service_ip: str = "10.0.0.1",
+    server_ips: tuple[str, ...] = (),
+    nodes: tuple[str, ...] = (),
+    node_ips: tuple[str, ...] | None = None,
+) -> Pki:
+    """Write ca.{crt,key}, apiserver.{crt,key}, <client>.{crt,key} and sa.{key,pub} into directory;
+    `server_ips` are further addresses the API server is reached at (e.g. where pods reach it), and
+    each of `nodes` gets a kubelet client certificate `node-<name>.{crt,key}` and a serving
+    certificate `node-<name>-serving.{crt,key}` for `node_ips` (default: `server_ips`), which the API
+    server checks when it calls the kubelet (logs, exec)."""
     directory.mkdir(parents=True, exist_ok=True)
     pki = Pki(directory)
     ca_key = _key()
@@ -124,16 +143,32 @@ def create_pki(directory: Path, service_ip: str = "10.0.0.1") -> Pki:
         ca_name,
         ca_key,
         server_names=names,
-        server_ips=["127.0.0.1", service_ip],
+        server_ips=["127.0.0.1", service_ip, *server_ips],
         usage=[ExtendedKeyUsageOID.SERVER_AUTH],
     )
     _write_key(pki.path("apiserver.key"), server_key)
     _write_cert(pki.path("apiserver.crt"), server)
 
-    for stem, (user, group) in CLIENTS.items():
+    identities = {**CLIENTS, **{f"node-{node}": node_client(node) for node in nodes}}
+    for stem, (user, group) in identities.items():
         key = _key()
         cert = _issue(_name(user, group), key, ca_name, ca_key, usage=[ExtendedKeyUsageOID.CLIENT_AUTH])
         crt_path, key_path = pki.client(stem)
+        _write_key(key_path, key)
+        _write_cert(crt_path, cert)
+
+    for node in nodes:
+        key = _key()
+        cert = _issue(
+            _name(f"system:node:{node}", "system:nodes"),
+            key,
+            ca_name,
+            ca_key,
+            server_names=[node],
+            server_ips=list(server_ips if node_ips is None else node_ips) or ["127.0.0.1"],
+            usage=[ExtendedKeyUsageOID.SERVER_AUTH],
+        )
+        crt_path, key_path = pki.client(f"node-{node}-serving")
         _write_key(key_path, key)
         _write_cert(crt_path, cert)
 

@@ -1,0 +1,3 @@
+from .catalog import main
+
+raise SystemExit(main())

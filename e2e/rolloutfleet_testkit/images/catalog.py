@@ -1,0 +1,171 @@
+"""The images the tests and the demo run, built from the project's Dockerfiles (images/) and
+imported into the nodes' containerd; tagged with the package's version, as users' images are."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .base import ENV as BASE_ENV
+from .base import STANDS_IN_FOR, base_key, base_layer, say
+from .build import build
+from .cache import images_cache
+from .oci import import_archive, normalized, write_image_archive
+from .static import static_image
+
+ROOT = Path(__file__).resolve().parents[3]
+KEY_LABEL = "rolloutfleet.dev/build-key"
+
+
+def version() -> str:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def dockerfile_images() -> dict[str, tuple[Path, list[str]]]:
+    """Image → (Dockerfile, names); every Dockerfile is built with the repository as its context."""
+    v = version()
+    return {
+        "proxy": (ROOT / "images/proxy/Dockerfile", [f"rolloutfleet-proxy:{v}"]),
+        "operator": (ROOT / "images/operator/Dockerfile", [f"rolloutfleet-operator:{v}"]),
+        "testkit": (ROOT / "images/testkit/Dockerfile", [f"rolloutfleet-testkit:{v}"]),
+        "sglang-emulator": (
+            ROOT / "images/sglang-emulator/Dockerfile",
+            [f"rolloutfleet-sglang-emulator:{v}"],
+        ),
+    }
+
+
+@dataclass(frozen=True)
+class Built:
+    """An image built (its layers cached); the archive to import is written only when needed."""
+
+    name: str
+    names: list[str]
+    key: str
+    layers: list[Path]
+    config: dict
+
+    def archive(self) -> Path:
+        out = images_cache() / "archives" / f"{self.name}-{self.key}.tar"
+        if not out.exists():
+            started = time.monotonic()
+            write_image_archive(out, self.layers, self.config, self.names)
+            size = out.stat().st_size / 2**20
+            took = time.monotonic() - started
+            say(f"{self.name}: archive of {len(self.layers)} layers, {size:.0f} MiB ({took:.0f}s)")
+        return out
+
+
+def build_image(name: str) -> Built:
+    """The image built from its Dockerfile (cached by content), the base itself, or a small static one."""
+    if name == "python":
+        # The base the Dockerfiles build on, under the public names it stands in for (pods of tests
+        # that name python:3.11 or python:3.11-slim run it).
+        layer = base_layer()
+        config = {"Env": list(BASE_ENV), "Cmd": ["python3"], "WorkingDir": "/"}
+        return Built(name, list(STANDS_IN_FOR), f"base-{base_key()}", [layer], config)
+    if name == "busybox":
+        applets = subprocess.run(["/bin/busybox", "--list"], capture_output=True, text=True, check=True)
+        path = static_image(
+            Path("/bin/busybox"), "busybox:1.36", ["/bin/busybox"], tuple(applets.stdout.split())
+        )
+        return Built(name, ["busybox:1.36"], path.stem, [], {})
+    dockerfile, names = dockerfile_images()[name]
+    layers, config, key = build(dockerfile, ROOT)
+    return Built(name, names, key, layers, config)
+
+
+def static_image_path(built: Built) -> Path:
+    return images_cache() / "static" / f"{built.key}.tar"
+
+
+def imported_key(address: str, name: str) -> str | None:
+    result = subprocess.run(
+        ["ctr", "--address", address, "-n", "k8s.io", "images", "ls", f"name=={normalized(name)}"],
+        capture_output=True,
+        text=True,
+    )
+    for line in result.stdout.splitlines()[1:]:
+        for part in line.split():
+            if part.startswith(f"{KEY_LABEL}="):
+                return part.split("=", 1)[1]
+    return None
+
+
+def ensure_images(names, addresses: list[str]) -> dict[str, list[str]]:
+    """Each image built (cached by content) and imported into every containerd at `addresses` that
+    does not hold this build of it yet; image → its names."""
+    found = {}
+    for name in names:
+        started = time.monotonic()
+        built = build_image(name)
+        size = sum(layer.stat().st_size for layer in built.layers) / 2**20
+        took = time.monotonic() - started
+        say(f"{name}: built ({len(built.layers)} layers, {size:.0f} MiB) in {took:.1f}s")
+        tags, key = built.names, built.key
+        path = None
+        for address in addresses:
+            if imported_key(address, tags[0]) == key:
+                continue
+            if path is None:
+                path = static_image_path(built) if name == "busybox" else built.archive()
+            started = time.monotonic()
+            import_archive(path, address)
+            for tag in tags:
+                subprocess.run(
+                    [
+                        "ctr",
+                        "--address",
+                        address,
+                        "-n",
+                        "k8s.io",
+                        "images",
+                        "label",
+                        normalized(tag),
+                        f"{KEY_LABEL}={key}",
+                    ],
+                    capture_output=True,
+                    check=True,
+                )
+            say(f"{name} imported into {address} in {time.monotonic() - started:.1f}s")
+        if path is not None and name != "busybox":
+            path.unlink(missing_ok=True)  # containerd holds it now; gigabytes not to keep twice
+        found[name] = tags
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="Build the project's images (and import them into containerd)."
+    )
+    parser.add_argument(
+        "names",
+        nargs="*",
+        metavar="[build] NAME",
+        help=f"images to build (default: the Dockerfiles' images); any of {', '.join(all_images())}",
+    )
+    parser.add_argument("--import", dest="addresses", action="append", default=[], help="a containerd socket")
+    args = parser.parse_args(argv)
+    names = args.names[1:] if args.names[:1] == ["build"] else args.names
+    unknown = sorted(set(names) - set(all_images()))
+    if unknown:
+        parser.error(f"unknown images {unknown}; known: {', '.join(all_images())}")
+    started = time.monotonic()
+    for name, tags in ensure_images(names or list(dockerfile_images()), args.addresses).items():
+        print(f"{name}: {' '.join(tags)}")
+    say(f"done in {time.monotonic() - started:.1f}s")
+    return 0
+
+
+def all_images() -> list[str]:
+    return [*dockerfile_images(), "python", "busybox"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

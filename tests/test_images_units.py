@@ -1,0 +1,237 @@
+"""The local image builder's pure parts (rolloutfleet_testkit.images): layers as deterministic tars,
+the image archive read back (names, digests, config), the Dockerfile reader, what COPY brings in,
+and SGLang's command line for the SGLang emulator. The Dockerfile instruction basics and name
+normalization are in test_node_and_images_units.py."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+from rolloutfleet_testkit.images import dockerfile
+from rolloutfleet_testkit.images.build import (
+    BuildState,
+    content_key,
+    context_files,
+    copy_into,
+    ignore_patterns,
+    layer_tar,
+)
+from rolloutfleet_testkit.images.oci import tar_layer, write_image_archive
+from rolloutfleet_testkit.sglang_emulator.sglang_cli import emulator_args
+
+root_only = pytest.mark.skipif(os.geteuid() != 0, reason="owners and device nodes need root")
+
+
+def a_tree(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "bin" / "tool").write_bytes(b"#!/bin/sh\necho hi\n")
+    (root / "bin" / "tool").chmod(0o755)
+    os.link(root / "bin" / "tool", root / "bin" / "same-tool")
+    (root / "bin" / "alias").symlink_to("tool")
+    (root / "etc").mkdir()
+    (root / "etc" / "z.conf").write_text("z\n")
+    (root / "etc" / "a.conf").write_text("a\n")
+    return root
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_layer_is_the_same_bytes_for_the_same_tree_whenever_it_is_written(tmp_path):
+    tree = a_tree(tmp_path / "tree")
+    first = tar_layer(tree, tmp_path / "1.tar")
+    os.utime(tree / "etc" / "a.conf", (1, 1))  # times change, content does not
+    second = tar_layer(tree, tmp_path / "2.tar")
+    assert digest(first) == digest(second)
+    with tarfile.open(first) as read:
+        members = {m.name.removeprefix("./"): m for m in read.getmembers()}
+    names = [n for n in members if n and n != "."]
+    assert names == sorted(names), "entries are sorted"
+    assert {m.mtime for m in members.values()} == {0}
+    assert members["bin/alias"].issym() and members["bin/alias"].linkname == "tool"
+    # One of the two names of the hard-linked file holds the data, the other links to it.
+    pair = (members["bin/same-tool"], members["bin/tool"])
+    assert sorted(m.islnk() for m in pair) == [False, True]
+    assert members["bin/tool"].mode & 0o777 == 0o755
+
+
+def test_a_layer_can_keep_the_trees_own_times(tmp_path):
+    tree = a_tree(tmp_path / "tree")
+    os.utime(tree / "etc" / "a.conf", (1_700_000_000, 1_700_000_000))
+    with tarfile.open(tar_layer(tree, tmp_path / "l.tar", mtime=None)) as read:
+        assert read.getmember("./etc/a.conf").mtime == 1_700_000_000
+
+
+@root_only
+def test_a_layer_keeps_numeric_owners(tmp_path):
+    tree = a_tree(tmp_path / "tree")
+    os.chown(tree / "etc" / "a.conf", 65532, 1234)
+    with tarfile.open(tar_layer(tree, tmp_path / "l.tar")) as read:
+        member = read.getmember("./etc/a.conf")
+    assert (member.uid, member.gid, member.uname, member.gname) == (65532, 1234, "", "")
+
+
+@root_only
+def test_an_overlay_upper_directory_becomes_a_layer_with_whiteouts(tmp_path):
+    upper = tmp_path / "upper"
+    (upper / "etc").mkdir(parents=True)
+    (upper / "etc" / "new.conf").write_text("n\n")
+    os.mknod(upper / "etc" / "gone.conf", 0o600 | 0o020000, os.makedev(0, 0))  # overlay's whiteout
+    with tarfile.open(layer_tar(upper, tmp_path / "layer.tar")) as read:
+        names = read.getnames()
+    assert "etc/.wh.gone.conf" in names and "etc/new.conf" in names and "etc/gone.conf" not in names
+
+
+def test_an_image_archive_read_back_holds_its_layers_config_and_names(tmp_path):
+    base = tar_layer(a_tree(tmp_path / "base"), tmp_path / "base.tar")
+    (tmp_path / "top" / "app").mkdir(parents=True)
+    (tmp_path / "top" / "app" / "main.py").write_text("print('hi')\n")
+    top = tar_layer(tmp_path / "top", tmp_path / "top.tar")
+    config = {
+        "Entrypoint": ["rolloutfleet-proxy"],
+        "Cmd": ["--help"],
+        "Env": ["PATH=/usr/local/bin:/usr/bin:/bin"],
+        "WorkingDir": "/src",
+        "User": "65532:65532",
+        "ExposedPorts": {"8000/tcp": {}},
+        "Labels": {"a": "b"},
+    }
+    names = ["rolloutfleet-proxy:0.1.0", "rolloutfleet.local/pause:1"]
+    archive = write_image_archive(tmp_path / "image.tar", [base, top], config, names)
+    with tarfile.open(archive) as read:
+        (entry,) = json.loads(read.extractfile("manifest.json").read())
+        config_bytes = read.extractfile(entry["Config"]).read()
+        blobs = [read.extractfile(name).read() for name in entry["Layers"]]
+    assert entry["RepoTags"] == names
+    assert entry["Config"] == f"{hashlib.sha256(config_bytes).hexdigest()}.json"
+    image = json.loads(config_bytes)
+    diff_ids = [f"sha256:{hashlib.sha256(blob).hexdigest()}" for blob in blobs]
+    assert blobs == [base.read_bytes(), top.read_bytes()]
+    assert image["rootfs"] == {"type": "layers", "diff_ids": diff_ids}
+    assert [name.split("/")[0] for name in entry["Layers"]] == [d.removeprefix("sha256:") for d in diff_ids]
+    assert image["config"] == config and image["os"] == "linux"
+    again = write_image_archive(tmp_path / "again.tar", [base, top], config, names)
+    assert digest(again) == digest(archive), "the same image gives the same archive"
+
+
+def test_an_image_needs_a_layer_and_a_name(tmp_path):
+    layer = tar_layer(a_tree(tmp_path / "t"), tmp_path / "l.tar")
+    with pytest.raises(ValueError):
+        write_image_archive(tmp_path / "x.tar", [layer], {}, [])
+    with pytest.raises(ValueError):
+        write_image_archive(tmp_path / "x.tar", [], {}, ["a:1"])
+
+
+def test_continuations_comments_and_blank_lines_inside_an_instruction():
+    text = (
+        "# syntax comment\n"
+        "ARG BASE=python:3.11-slim\n"
+        "FROM ${BASE}\n"
+        "RUN apt-get update \\\n"
+        "    # a comment inside the continuation\n"
+        "\n"
+        "    && echo done\n"
+        'ENTRYPOINT ["python", "-c", "print(\\"a b\\")"]\n'
+        "CMD echo $HOME\n"
+        "ENV LEGACY value with spaces\n"
+        'LABEL org.example.title="the proxy" version=1\n'
+        "expose 8000 9000/udp\n"
+    )
+    parsed = dockerfile.parse(text)
+    keywords = ["ARG", "FROM", "RUN", "ENTRYPOINT", "CMD", "ENV", "LABEL", "EXPOSE"]
+    assert [i.keyword for i in parsed] == keywords
+    assert parsed[2].text == "apt-get update && echo done" and parsed[2].line == 4
+    assert parsed[3].exec_form == ["python", "-c", 'print("a b")']
+    assert parsed[4].exec_form is None and parsed[4].text == "echo $HOME"
+    assert dockerfile.key_values(parsed[5].text) == {"LEGACY": "value with spaces"}
+    assert dockerfile.key_values(parsed[6].text) == {"org.example.title": "the proxy", "version": "1"}
+
+
+def test_an_unknown_instruction_is_named_with_its_line():
+    with pytest.raises(dockerfile.DockerfileError, match="line 3: unsupported instruction ADD"):
+        dockerfile.parse("FROM x\n\nADD a b\n")
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("$A/${B}", "1/two"),
+        ("${UNSET}|$UNSET|", "||"),
+        ("${UNSET:-fallback} ${A:-unused}", "fallback 1"),
+        ("${A:+alt}${UNSET:+alt}", "alt"),
+        ("pre${A}post", "pre1post"),
+    ],
+)
+def test_variable_substitution(text, expected):
+    assert dockerfile.substitute(text, {"A": "1", "B": "two"}) == expected
+
+
+def a_context(root: Path) -> Path:
+    (root / "proxy" / "pkg" / "__pycache__").mkdir(parents=True)
+    (root / "proxy" / "pkg" / "__init__.py").write_text("")
+    (root / "proxy" / "pkg" / "app.py").write_text("APP = 1\n")
+    (root / "proxy" / "pkg" / "__pycache__" / "app.cpython-311.pyc").write_bytes(b"\0")
+    (root / "proxy" / "notes.tmp").write_text("scratch\n")
+    (root / ".git").mkdir()
+    (root / ".git" / "HEAD").write_text("ref\n")
+    (root / "pyproject.toml").write_text("[project]\n")
+    (root / ".dockerignore").write_text("# scratch files\n**/*.tmp\n")
+    return root
+
+
+def test_copy_brings_the_context_minus_what_is_ignored_and_its_key_follows_the_content(tmp_path):
+    context = a_context(tmp_path / "ctx")
+    patterns = ignore_patterns(context)
+    files = context_files(context, "proxy", patterns)
+    assert [f.as_posix() for f in files] == ["proxy/pkg/__init__.py", "proxy/pkg/app.py"]
+    assert context_files(context, ".", patterns) == [Path(".dockerignore"), *files, Path("pyproject.toml")]
+    key = content_key(context, files)
+    (context / "proxy" / "notes.tmp").write_text("ignored changes change nothing\n")
+    assert content_key(context, context_files(context, "proxy", patterns)) == key
+    (context / "proxy" / "pkg" / "app.py").write_text("APP = 2\n")
+    changed = content_key(context, files)
+    assert changed != key
+    (context / "proxy" / "pkg" / "app.py").chmod(0o755)
+    assert content_key(context, files) != changed, "a mode is content too"
+    with pytest.raises(ValueError, match="outside the build context"):
+        context_files(context, "../elsewhere", patterns)
+
+
+def test_copy_places_directories_contents_and_files_as_docker_does(tmp_path):
+    context = a_context(tmp_path / "ctx")
+    merged = tmp_path / "merged"
+    state = BuildState(key="k", workdir="/src")
+    patterns = ignore_patterns(context)
+
+    def copy(text: str) -> None:
+        instruction = dockerfile.parse(f"FROM x\nCOPY {text}")[1]
+        sources = text.split()[:-1]
+        files = [f for s in sources for f in context_files(context, s, patterns)]
+        copy_into(merged, context, state, instruction, files)
+
+    copy("proxy ./proxy")  # a directory's contents, under the destination
+    copy("pyproject.toml ./")  # a file into a directory, relative to WORKDIR
+    copy("pyproject.toml /etc/renamed.toml")  # a file to a new name
+    assert (merged / "src/proxy/pkg/app.py").read_text() == "APP = 1\n"
+    assert not (merged / "src/proxy/pkg/__pycache__").exists()
+    assert (merged / "src/pyproject.toml").exists() and (merged / "etc/renamed.toml").exists()
+
+
+def test_sglang_flags_in_every_spelling_become_the_emulators():
+    args = [
+        "--model", "/weights", "--port=30001", "--trust-remote-code", "--log-level", "debug",
+        "stray", "--context-length", "4096", "--weight-version", "v2", "--tp-size=4",
+        "--enable-metrics", "--dtype", "bfloat16",
+    ]  # fmt: skip
+    assert emulator_args(args) == [
+        "--port", "30001", "--log-level", "debug", "--context-length", "4096",
+        "--weight-version", "v2", "--tokenizer-path", "/weights",
+    ]  # fmt: skip
+    assert emulator_args([]) == []
+    assert emulator_args(["--tp-size", "8", "--host", "::"]) == ["--host", "::"]
