@@ -34,9 +34,11 @@ from rolloutfleet_testkit.demo import QUESTIONS, run_session, step
 from rolloutfleet_testkit.images import ensure_images
 from rolloutfleet_testkit.kubectl import Kubectl
 from rolloutfleet_testkit.node import real_cluster
-from rolloutfleet_testkit.processes import wait_until_routed
+from rolloutfleet_testkit.node.config import BRIDGE_IP
+from rolloutfleet_testkit.processes import serve_app, wait_until_routed
 from rolloutfleet_testkit.session_ledger import SessionLedger
 from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
+from rolloutfleet_testkit.upstream_stub import create_app as create_upstream_stub
 
 NAMESPACE = "rolloutfleet-demo"
 RELEASE = "rolloutfleet"
@@ -45,10 +47,14 @@ PROXIES, ENGINES, SCALED = 2, 2, 3
 READY_TIMEOUT_S = 420  # first start of torch engines on two shared cores
 REPAIR_TIMEOUT_S = 180
 MIB = 2**20
-PROXY_MEMORY_LIMIT_MIB = 448  # the proxies' cgroup memory limit: the kernel OOM-kills above it
+MEMORY_FLEET, MEMORY_PROXY = "memory-demo", "memory-demo-proxy-0"
+PROXY_MEMORY_LIMIT_MIB = (
+    208  # its cgroup memory limit: the kernel OOM-kills above it (tests/e2e/test_oom_kill.py)
+)
+BUDGET_ABOVE_REST_MIB = 40
 GROWTH_WORDS_PER_TURN = 20000  # turns with long user messages grow a proxy (live set and heap)
 GROWTH_TURNS_PER_SESSION = 3
-GROWTH_TIMEOUT_S = 300
+GROWTH_TIMEOUT_S = 180
 
 
 class Clock:
@@ -138,14 +144,10 @@ def apply_fleet(clock: Clock, kubectl: Kubectl, tokenizer_dir: Path, work: Path)
         fleet_setup.pod_writable(work / "dumps"),
         proxies=PROXIES,
         engines=ENGINES,
-        # Off until the watchdog step sets a budget from what the proxies rest at.
-        memory={"rssBudgetBytes": 0, "checkIntervalSeconds": 2, "consecutiveSamples": 2},
-        proxy_memory_limit=f"{PROXY_MEMORY_LIMIT_MIB}Mi",
     )
     clock.step(
-        f"applying operator/samples/gpu.yaml as {FLEET}: {PROXIES} proxies (memory limit "
-        f"{PROXY_MEMORY_LIMIT_MIB} MiB), the SGLang router, {ENGINES} engines on the GPU node; "
-        "waiting for Ready"
+        f"applying operator/samples/gpu.yaml as {FLEET}: {PROXIES} proxies, the SGLang router, "
+        f"{ENGINES} engines on the GPU node; waiting for Ready"
     )
     print(kubectl("apply", "-f", "-", input=json.dumps(fleet)).rstrip())
     status = wait_fleet_ready(clock, kubectl, PROXIES, READY_TIMEOUT_S)
@@ -297,77 +299,102 @@ def proxy_rss(url: str) -> int:
     return httpx.get(f"{url}/stats", timeout=10).json()["rss_bytes"]
 
 
-def oom_killed(kubectl: Kubectl) -> list[str]:
-    """Proxy containers that report an OOM kill (current or last state)."""
-    pods = kubectl.json("pods", "-l", fleet_setup.component_selector(FLEET, "proxy"))["items"]
-    return [
-        pod["metadata"]["name"]
-        for pod in pods
-        for status in (pod.get("status") or {}).get("containerStatuses") or []
-        for state in (status.get("state") or {}, status.get("lastState") or {})
-        if (state.get("terminated") or {}).get("reason") == "OOMKilled"
-    ]
+def guarded_proxy(kubectl: Kubectl) -> tuple[dict[str, Any] | None, str | None]:
+    pods = kubectl.json("pods", "-l", fleet_setup.component_selector(MEMORY_FLEET, "proxy"))["items"]
+    pod = next((p for p in pods if p["metadata"]["name"] == MEMORY_PROXY), None)
+    ready = pod is not None and is_ready(pod) and not pod["metadata"].get("deletionTimestamp")
+    return pod, (f"http://{pod['status']['podIP']}:{fleet_setup.PROXY_PORT}" if ready else None)
 
 
-def watchdog_before_the_kernel(clock: Clock, kubectl: Kubectl, key: str) -> None:
-    """One proxy grows past its RSS budget (below its cgroup limit); the watchdog replaces it
-    gracefully before the kernel would OOM-kill it, and the replacement restores every turn."""
-    name, url = next(iter(pod_urls(kubectl, "proxy", fleet_setup.PROXY_PORT).items()))
-    resting = proxy_rss(url)
-    budget = (resting + PROXY_MEMORY_LIMIT_MIB * MIB) // 2
-    clock.step(
-        f"memory watchdog: {name} rests at {resting / MIB:.0f} MiB under its {PROXY_MEMORY_LIMIT_MIB} MiB "
-        f"cgroup limit; kubectl patch rf/{FLEET}: spec.proxy.memory.rssBudgetBytes = {budget / MIB:.0f} MiB"
-    )
-    patch = {"spec": {"proxy": {"memory": {"rssBudgetBytes": budget}}}}
-    kubectl("patch", "rf", FLEET, "-n", NAMESPACE, "--type=merge", "-p", json.dumps(patch))
-    uid = kubectl.json("pod", name)["metadata"]["uid"]
-    ledger = SessionLedger(key)
-    clock.step(
-        f"growing {name}: sessions of {GROWTH_TURNS_PER_SESSION} turns of {GROWTH_WORDS_PER_TURN} words each"
-    )
-    session, last_line = None, None
-    deadline = time.monotonic() + GROWTH_TIMEOUT_S
-    while time.monotonic() < deadline:
-        pod = kubectl.json("pod", name, missing_ok=True)
-        if not pod or pod["metadata"]["uid"] != uid or pod["metadata"].get("deletionTimestamp"):
-            break  # the watchdog is replacing it
-        if session is None or len(session.delivered) >= GROWTH_TURNS_PER_SESSION:
-            session = ledger.try_create(name, url) or session  # refused near the budget: go on
-        if session is None or not ledger.try_turn(url, session, GROWTH_WORDS_PER_TURN):
-            time.sleep(0.5)
-            continue
-        line = (
-            f"{ledger.delivered_turns()} turns delivered; RSS {proxy_rss(url) / MIB:.0f} MiB "
-            f"(budget {budget / MIB:.0f}, limit {PROXY_MEMORY_LIMIT_MIB})"
+def watchdog_before_the_kernel(clock: Clock, kubectl: Kubectl, tokenizer_dir: Path, work: Path) -> None:
+    """A one-proxy fleet under a cgroup memory limit grows past its RSS budget (below the limit);
+    the watchdog replaces the proxy gracefully before the kernel would OOM-kill it, the replacement
+    restores every turn, and near the budget new sessions are held back (503) instead. Its engine is
+    the fixed-latency upstream stand-in on this machine: long turns, which the emulated engines'
+    context would refuse."""
+    stub = create_upstream_stub(0.01, 8)
+    with serve_app(stub, host=BRIDGE_IP) as engine_url:
+        fleet = fleet_setup.external_fleet(
+            MEMORY_FLEET,
+            NAMESPACE,
+            tokenizer_dir,
+            engine_url,
+            1,
+            dump={"hostPath": {"path": str(fleet_setup.pod_writable(work / "memory-dumps"))}},
+            resources={"requests": {"memory": "128Mi"}, "limits": {"memory": f"{PROXY_MEMORY_LIMIT_MIB}Mi"}},
+            memory={"rssBudgetBytes": 0, "checkIntervalSeconds": 1, "consecutiveSamples": 1},
         )
-        if line != last_line:
-            print(f"    [{clock.elapsed()}] {line}", flush=True)
-            last_line = line
-    else:
-        raise TimeoutError(f"{name} was not replaced within {GROWTH_TIMEOUT_S}s")
+        clock.step(
+            f"memory watchdog: fleet {MEMORY_FLEET}, one proxy, cgroup limit {PROXY_MEMORY_LIMIT_MIB} MiB"
+        )
+        kubectl("apply", "-f", "-", input=json.dumps(fleet))
+        pod, url = wait_until(
+            clock,
+            f"{MEMORY_PROXY} Ready",
+            lambda: ((found := guarded_proxy(kubectl))[1] and found, f"{MEMORY_PROXY} starting"),
+            REPAIR_TIMEOUT_S,
+        )
+        resting = proxy_rss(url)
+        budget = resting + BUDGET_ABOVE_REST_MIB * MIB
+        memory = {"rssBudgetBytes": budget, "refuseNewSessionsPercent": 100, "cooldownSeconds": 30}
+        kubectl(
+            "patch", "rf", MEMORY_FLEET, "-n", NAMESPACE, "--type=merge", "-p",
+            json.dumps({"spec": {"proxy": {"memory": memory}}}),
+        )  # fmt: skip
+        clock.step(
+            f"{MEMORY_PROXY} rests at {resting / MIB:.0f} MiB; spec.proxy.memory.rssBudgetBytes = "
+            f"{budget / MIB:.0f} MiB; growing it with sessions of {GROWTH_TURNS_PER_SESSION} turns of "
+            f"{GROWTH_WORDS_PER_TURN} words (the kernel would kill it at {PROXY_MEMORY_LIMIT_MIB} MiB)"
+        )
+        key = fleet_setup.admin_key(kubectl.json("secret", f"{MEMORY_FLEET}-admin-key"))
+        ledger = SessionLedger(key)
+        uid = pod["metadata"]["uid"]
+        session = None
+        deadline = time.monotonic() + GROWTH_TIMEOUT_S
+        while time.monotonic() < deadline:
+            pod, url = guarded_proxy(kubectl)
+            if pod is None or pod["metadata"]["uid"] != uid or url is None:
+                break  # the watchdog is replacing it
+            if session is None or len(session.delivered) >= GROWTH_TURNS_PER_SESSION:
+                session = ledger.try_create(MEMORY_PROXY, url) or session
+            if session is not None and ledger.try_turn(url, session, GROWTH_WORDS_PER_TURN):
+                print(
+                    f"    [{clock.elapsed()}] {ledger.delivered_turns()} turns delivered; RSS "
+                    f"{proxy_rss(url) / MIB:.0f} MiB (budget {budget / MIB:.0f}, "
+                    f"limit {PROXY_MEMORY_LIMIT_MIB})",
+                    flush=True,
+                )
+        else:
+            raise TimeoutError(f"{MEMORY_PROXY} was not replaced within {GROWTH_TIMEOUT_S}s")
 
-    def probe() -> tuple[Any, str]:
-        pod = kubectl.json("pod", name, missing_ok=True)
-        replaced = bool(pod) and pod["metadata"]["uid"] != uid
-        state = "terminating (draining, writing its sessions)" if not replaced else "replacement starting"
-        done = replaced and is_ready(pod)
-        return done, f"{name}: {'replacement Ready, sessions restored' if done else state}"
+        def probe() -> tuple[Any, str]:
+            pod, url = guarded_proxy(kubectl)
+            replaced = pod is not None and pod["metadata"]["uid"] != uid
+            state = "replacement Ready, sessions restored" if replaced and url else "draining / starting"
+            return (replaced and url), f"{MEMORY_PROXY}: {state}"
 
-    wait_until(clock, f"{name}'s replacement", probe, REPAIR_TIMEOUT_S)
-    url = pod_urls(kubectl, "proxy", fleet_setup.PROXY_PORT)[name]
-    losses = ledger.check({name: url})
-    sessions = len(ledger.sessions.get(name, []))
-    clock.step(
-        f"{name} replaced by the watchdog before the kernel acted: {sessions} sessions and "
-        f"{ledger.delivered_turns()} delivered turns; on the replacement {losses.sessions} sessions and "
-        f"{losses.turns} turns missing or different (checked token by token); RSS now "
-        f"{proxy_rss(url) / MIB:.0f} MiB; OOM-killed containers: {oom_killed(kubectl) or 'none'}"
-    )
-    restarts = fleet_status(kubectl).get("memoryRestarts", {})
-    clock.step(f"status.memoryRestarts: {json.dumps(restarts)}")
-    if losses.counts() != (0, 0):
-        raise RuntimeError(f"the replacement of {name} lost {losses}")
+        url = wait_until(clock, f"{MEMORY_PROXY}'s replacement", probe, REPAIR_TIMEOUT_S)
+        losses = ledger.check({MEMORY_PROXY: url})
+        killed = [
+            name for name in (MEMORY_PROXY,)
+            for status in (guarded_proxy(kubectl)[0] or {}).get("status", {}).get("containerStatuses", [])
+            if (status.get("lastState", {}).get("terminated") or {}).get("reason") == "OOMKilled"
+        ]  # fmt: skip
+        clock.step(
+            f"{MEMORY_PROXY} replaced by the watchdog before the kernel acted: "
+            f"{len(ledger.sessions.get(MEMORY_PROXY, []))} sessions, {ledger.delivered_turns()} delivered "
+            f"turns; on the replacement {losses.sessions} sessions and {losses.turns} turns missing or "
+            f"different (checked token by token); RSS now {proxy_rss(url) / MIB:.0f} MiB; OOM-killed: "
+            f"{killed or 'none'}"
+        )
+        status = kubectl.json("rf", MEMORY_FLEET).get("status", {})
+        clock.step(f"status.memoryRestarts of {MEMORY_FLEET}: {json.dumps(status.get('memoryRestarts', {}))}")
+        selector = f"involvedObject.kind=RolloutFleet,involvedObject.name={MEMORY_FLEET}"
+        events = kubectl.json("events", "--field-selector", selector)["items"]
+        print(event_lines(sorted(events, key=lambda e: e["metadata"]["creationTimestamp"])))
+        kubectl("delete", "rf", MEMORY_FLEET, "-n", NAMESPACE)
+        if losses.counts() != (0, 0) or killed:
+            raise RuntimeError(f"the replacement of {MEMORY_PROXY} lost {losses} (OOM-killed: {killed})")
 
 
 def show_fleet_and_repair(clock: Clock, kubectl: Kubectl, tokenizer_dir: Path, work: Path) -> None:
@@ -378,7 +405,7 @@ def show_fleet_and_repair(clock: Clock, kubectl: Kubectl, tokenizer_dir: Path, w
     seen = show_fleet(clock, kubectl, urls)
     repair(clock, kubectl, urls, key)
     scale(clock, kubectl)
-    watchdog_before_the_kernel(clock, kubectl, key)
+    watchdog_before_the_kernel(clock, kubectl, tokenizer_dir, work)
     clock.step(f"{FLEET}'s Events since the first listing")
     seen_uids = {e["metadata"]["uid"] for e in seen}
     print(event_lines([e for e in fleet_events(kubectl) if e["metadata"]["uid"] not in seen_uids]))

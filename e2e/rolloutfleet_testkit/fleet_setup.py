@@ -48,12 +48,10 @@ def local_fleet(
     memory: dict[str, Any] | None = None,
     engine_token_delay_s: float | None = None,
     weights_dir: str | Path | None = None,
-    proxy_memory_limit: str | None = None,
 ) -> dict[str, Any]:
     """The GPU sample, adapted to the local cluster (pure apart from reading the sample file).
     `engine_token_delay_s` slows the emulated engines' decode steps (generations stay in flight);
-    `weights_dir` is mounted into the engines at WEIGHTS_MOUNT, for weight updates from disk;
-    `proxy_memory_limit` is the proxies' cgroup memory limit (e.g. "448Mi")."""
+    `weights_dir` is mounted into the engines at WEIGHTS_MOUNT, for weight updates from disk."""
     fleet = yaml.safe_load(GPU_SAMPLE.read_text())
     fleet["metadata"] = {"name": name, "namespace": namespace}
     proxy, engine = fleet["spec"]["proxy"], fleet["spec"]["engines"]
@@ -62,8 +60,6 @@ def local_fleet(
     if engines is not None:
         engine["replicas"] = engines
     proxy["resources"] = {"requests": {"cpu": "100m", "memory": "256Mi"}}
-    if proxy_memory_limit is not None:
-        proxy["resources"]["limits"] = {"memory": proxy_memory_limit}
     proxy["tokenizer"]["volume"] = {"hostPath": {"path": str(tokenizer_dir), "type": "Directory"}}
     proxy["dump"] = {"path": proxy["dump"]["path"], "hostPath": {"path": str(dump_dir)}}
     proxy["terminationGracePeriodSeconds"] = 30
