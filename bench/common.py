@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from rolloutfleet_testkit.cache import project_cache
 from rolloutfleet_testkit.processes import (
     ServerProcess,
     free_port,
@@ -37,7 +38,7 @@ def progress(message: str) -> None:
 
 
 def tokenizer_dir() -> Path:
-    cache = Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet"))
+    cache = project_cache()
     return build_test_tokenizer(cache / "test-tokenizer")
 
 

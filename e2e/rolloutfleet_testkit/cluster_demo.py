@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import subprocess
 import tempfile
 import textwrap
@@ -30,6 +29,7 @@ import httpx
 from rolloutfleet_operator.plan import is_ready
 
 from rolloutfleet_testkit import fleet_setup
+from rolloutfleet_testkit.cache import project_cache
 from rolloutfleet_testkit.demo import QUESTIONS, run_session, step
 from rolloutfleet_testkit.images import ensure_images
 from rolloutfleet_testkit.kubectl import Kubectl
@@ -375,11 +375,7 @@ def watchdog_before_the_kernel(clock: Clock, kubectl: Kubectl, tokenizer_dir: Pa
 
         url = wait_until(clock, f"{MEMORY_PROXY}'s replacement", probe, REPAIR_TIMEOUT_S)
         losses = ledger.check({MEMORY_PROXY: url})
-        killed = [
-            name for name in (MEMORY_PROXY,)
-            for status in (guarded_proxy(kubectl)[0] or {}).get("status", {}).get("containerStatuses", [])
-            if (status.get("lastState", {}).get("terminated") or {}).get("reason") == "OOMKilled"
-        ]  # fmt: skip
+        killed = fleet_setup.oom_kills(guarded_proxy(kubectl)[0] or {})
         clock.step(
             f"{MEMORY_PROXY} replaced by the watchdog before the kernel acted: "
             f"{len(ledger.sessions.get(MEMORY_PROXY, []))} sessions, {ledger.delivered_turns()} delivered "
@@ -413,7 +409,7 @@ def show_fleet_and_repair(clock: Clock, kubectl: Kubectl, tokenizer_dir: Path, w
 
 def main(argv: list[str] | None = None) -> int:
     clock = Clock()
-    cache = Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet"))
+    cache = project_cache()
     work = Path(tempfile.mkdtemp(prefix="rolloutfleet-demo-"))
     tokenizer_dir = build_test_tokenizer(cache / "test-tokenizer")
     clock.step("a real local Kubernetes: control plane, two kubelets with containerd, kube-proxy, CoreDNS")

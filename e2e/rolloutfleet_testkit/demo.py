@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 from pathlib import Path
 
 import httpx
 from openai import AsyncOpenAI
 
+from rolloutfleet_testkit.cache import project_cache
 from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, python_module
 from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
 
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         from rolloutfleet_testkit.cluster_demo import main as cluster_main
 
         return cluster_main()
-    cache = Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet"))
+    cache = project_cache()
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="rolloutfleet-demo-"))
     work.mkdir(parents=True, exist_ok=True)
 

@@ -119,6 +119,17 @@ def pod_writable(path: str | Path) -> Path:
     return path
 
 
+def oom_kills(pod: dict[str, Any]) -> list[dict[str, Any]]:
+    """The OOMKilled terminations a pod's containers report (current or last state)."""
+    found = []
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        for state in (status.get("state") or {}, status.get("lastState") or {}):
+            terminated = state.get("terminated") or {}
+            if terminated.get("reason") == "OOMKilled":
+                found.append({"container": status["name"], "restarts": status["restartCount"], **terminated})
+    return found
+
+
 def helm_install_args(
     release: str, namespace: str, watch_namespaces: list[str], extra: dict[str, str] | None = None
 ) -> list[str]:

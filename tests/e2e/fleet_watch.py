@@ -8,6 +8,7 @@ import threading
 import time
 
 from rolloutfleet_operator.plan import is_ready
+from rolloutfleet_testkit.fleet_setup import oom_kills
 
 
 def proxy_pods(cluster, namespace: str, fleet: str) -> dict[str, dict]:
@@ -27,17 +28,6 @@ def proxy_pods(cluster, namespace: str, fleet: str) -> dict[str, dict]:
 
 def available(pod: dict) -> bool:
     return is_ready(pod) and not pod["metadata"].get("deletionTimestamp")
-
-
-def oom_kills(pod: dict) -> list[dict]:
-    """The OOMKilled terminations a pod's containers report (current or last state)."""
-    found = []
-    for status in (pod.get("status") or {}).get("containerStatuses") or []:
-        for state in (status.get("state") or {}, status.get("lastState") or {}):
-            terminated = state.get("terminated") or {}
-            if terminated.get("reason") == "OOMKilled":
-                found.append({"container": status["name"], "restarts": status["restartCount"], **terminated})
-    return found
 
 
 class FleetWatch:

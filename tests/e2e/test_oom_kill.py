@@ -22,9 +22,10 @@ import time
 
 import httpx
 import pytest
-from fleet_watch import FleetWatch, available, oom_kills, proxy_pods
+from fleet_watch import FleetWatch, available, proxy_pods
 from operator_install import installed_operator
 from rolloutfleet_testkit import fleet_setup
+from rolloutfleet_testkit.fleet_setup import oom_kills
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.session_ledger import LedgerSession, SessionLedger
 from rolloutfleet_testkit.upstream_stub import create_app as create_upstream_stub

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rolloutfleet_testkit.cache import project_cache
+
 KUBERNETES_VERSION = "v1.35.4"
 HELM_VERSION = "v3.22.0"
 # kubelet and kube-proxy run the test cluster's nodes (rolloutfleet_testkit.node).
@@ -46,9 +48,7 @@ class Versions:
 
 
 def cache_root() -> Path:
-    return (
-        Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet")) / "controlplane"
-    )
+    return project_cache() / "controlplane"
 
 
 def say(message: str) -> None:

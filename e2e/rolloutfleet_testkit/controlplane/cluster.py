@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 
+from rolloutfleet_testkit.cache import project_cache
 from rolloutfleet_testkit.processes import free_port
 
 from .build import ensure_binaries
@@ -27,7 +28,7 @@ STATE_FILE = "state.json"
 
 
 def default_dir() -> Path:
-    cache = Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet"))
+    cache = project_cache()
     return cache / "cluster"
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
+
+from rolloutfleet_testkit.cache import project_cache
 
 
 def images_cache() -> Path:
-    root = Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet")) / "images"
+    root = project_cache() / "images"
     root.mkdir(parents=True, exist_ok=True)
     return root

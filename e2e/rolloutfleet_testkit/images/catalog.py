@@ -48,8 +48,11 @@ class Built:
     key: str
     layers: list[Path]
     config: dict
+    prebuilt: Path | None = None  # an archive kept as it is (the small static images)
 
     def archive(self) -> Path:
+        if self.prebuilt is not None:
+            return self.prebuilt
         out = images_cache() / "archives" / f"{self.name}-{self.key}.tar"
         if not out.exists():
             started = time.monotonic()
@@ -73,14 +76,10 @@ def build_image(name: str) -> Built:
         path = static_image(
             Path("/bin/busybox"), "busybox:1.36", ["/bin/busybox"], tuple(applets.stdout.split())
         )
-        return Built(name, ["busybox:1.36"], path.stem, [], {})
+        return Built(name, ["busybox:1.36"], path.stem, [], {}, prebuilt=path)
     dockerfile, names = dockerfile_images()[name]
     layers, config, key = build(dockerfile, ROOT)
     return Built(name, names, key, layers, config)
-
-
-def static_image_path(built: Built) -> Path:
-    return images_cache() / "static" / f"{built.key}.tar"
 
 
 def imported_key(address: str, name: str) -> str | None:
@@ -112,7 +111,7 @@ def ensure_images(names, addresses: list[str]) -> dict[str, list[str]]:
             if imported_key(address, tags[0]) == key:
                 continue
             if path is None:
-                path = static_image_path(built) if name == "busybox" else built.archive()
+                path = built.archive()
             started = time.monotonic()
             import_archive(path, address)
             for tag in tags:
@@ -132,7 +131,7 @@ def ensure_images(names, addresses: list[str]) -> dict[str, list[str]]:
                     check=True,
                 )
             say(f"{name} imported into {address} in {time.monotonic() - started:.1f}s")
-        if path is not None and name != "busybox":
+        if path is not None and built.prebuilt is None:
             path.unlink(missing_ok=True)  # containerd holds it now; gigabytes not to keep twice
         found[name] = tags
     return found

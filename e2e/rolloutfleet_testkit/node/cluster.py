@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from rolloutfleet_testkit.cache import project_cache
 from rolloutfleet_testkit.controlplane import cluster as controlplane
 from rolloutfleet_testkit.controlplane.build import ensure_binaries
 from rolloutfleet_testkit.controlplane.pki import Pki, kubeconfig
@@ -70,7 +71,7 @@ STATE_FILE = "node-state.json"
 
 
 def default_dir() -> Path:
-    cache = Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet"))
+    cache = project_cache()
     return cache / "node-cluster"
 
 
@@ -167,7 +168,7 @@ def _wait(what: str, check, timeout_s: float, log: Path | None = None, interval_
 
 
 def image_store(node: NodeSpec) -> Path:
-    cache = Path(os.environ.get("ROLLOUTFLEET_CACHE", Path.home() / ".cache" / "rolloutfleet"))
+    cache = project_cache()
     return cache / "node" / node.name / "containerd-root"
 
 
