@@ -1,10 +1,13 @@
 """The real node's pure parts beyond the configuration files (see test_node_and_images_units.py): the
 uplink guard and its counters, the iptables clean-up plan, the unmount order, the state `down` reads,
-the kubelets' serving certificates and the command line."""
+the record that lets the next `up` undo a killed run, the kubelets' serving certificates and the
+command line."""
 
 from __future__ import annotations
 
 import ipaddress
+import shutil
+import subprocess
 from pathlib import Path
 
 from cryptography import x509
@@ -12,8 +15,9 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from rolloutfleet_testkit.controlplane.cluster import component_args
 from rolloutfleet_testkit.controlplane.pki import create_pki
 from rolloutfleet_testkit.node import __main__ as cli
+from rolloutfleet_testkit.node import cluster as node_cluster
 from rolloutfleet_testkit.node import config, host
-from rolloutfleet_testkit.node.cluster import RealCluster
+from rolloutfleet_testkit.node.cluster import RealCluster, recorded_clusters, recorded_program
 
 PORTS = {"etcd": 1, "etcd-peer": 2, "kube-apiserver": 3, "kube-controller-manager": 4, "kube-scheduler": 5}
 
@@ -114,6 +118,48 @@ def test_the_state_down_needs_survives_a_round_trip(tmp_path):
     assert cluster.containerd_addresses == ["/a.sock", "/b.sock"]
     assert cluster.gpu_containerd_addresses == ["/b.sock"]
     assert RealCluster.load(tmp_path / "elsewhere") is None
+
+
+def _cluster_in(root: Path) -> RealCluster:
+    return RealCluster(
+        root, kubeconfig="", bin_dir=Path("/opt/bin"), containerd_by_node={}, pids={"kube-proxy": 7}
+    )
+
+
+def test_a_run_killed_before_teardown_is_found_by_the_next_up_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(node_cluster, "MACHINE_RECORD", tmp_path / "run" / "node-state.json")
+    killed = _cluster_in(tmp_path / "pytest-1" / "cluster0")
+    killed.save()
+    # The killed run's directory is the one recorded, also when the next run uses another directory
+    # (pytest's next temporary directory) and when that directory was removed since.
+    assert recorded_clusters(killed.root) == [killed]
+    assert recorded_clusters(tmp_path / "pytest-2" / "cluster0") == [killed]
+    (killed.root / "node-state.json").unlink()
+    assert recorded_clusters(tmp_path / "pytest-2" / "cluster0") == [killed]
+    # Another directory's teardown leaves the machine's record of the killed run alone; its own clears it.
+    _cluster_in(tmp_path / "elsewhere").forget()
+    assert recorded_clusters(tmp_path / "pytest-2" / "cluster0") == [killed]
+    killed.forget()
+    assert recorded_clusters(tmp_path / "pytest-2" / "cluster0") == []
+
+
+def test_a_recorded_pid_counts_as_running_only_while_it_runs_the_recorded_program(tmp_path):
+    assert [recorded_program(n) for n in ("controlplane:etcd", "kubelet:rf-cpu-node", "kube-proxy")] == [
+        "etcd",
+        "kubelet",
+        "kube-proxy",
+    ]
+    kubelet = tmp_path / "kubelet"
+    kubelet.symlink_to(shutil.which("sleep"))
+    process = subprocess.Popen([str(kubelet), "30"])
+    try:
+        assert node_cluster._still_runs("kubelet:rf-cpu-node", process.pid)
+        # The same PID under another name is a reused PID, not ours.
+        assert not node_cluster._still_runs("containerd:rf-cpu-node", process.pid)
+    finally:
+        process.kill()
+        process.wait()
+    assert not node_cluster._still_runs("kubelet:rf-cpu-node", process.pid)
 
 
 def test_kubelets_serve_certificates_of_the_cluster_ca_that_the_api_server_checks(tmp_path):

@@ -61,8 +61,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     from rolloutfleet_testkit.node import real_cluster
     from rolloutfleet_testkit.node.host import host_state
 
-    before = host_state()
     with real_cluster(tmp_path_factory.mktemp("cluster")) as node:
+        before = node.host_before  # after `up` cleared what a killed earlier run left
         ensure_images(IMAGES, node.containerd_addresses)
         ensure_images(GPU_IMAGES, node.gpu_containerd_addresses)
         yield Cluster(node.kubeconfig, local=True, bin_dir=node.bin_dir, host_ip=node.bridge_ip)

@@ -16,7 +16,10 @@ so each node has its own containerd; both share the bridge, each handing out its
 process starting it (`python -m rolloutfleet_testkit.node up|down|status`): what `down` needs (the
 PIDs started, the sysctls, network namespaces and nftables tables found before) is kept in
 `root/node-state.json`, written as each part starts so a failed or interrupted `up` is undone too.
-One cluster runs per machine: the bridge, the iptables chains and the guard are machine-wide.
+One cluster runs per machine: the bridge, the iptables chains and the guard are machine-wide. So the
+state is also copied to `/run/rolloutfleet-node/` (cleared by a reboot, as what it describes is): a
+run killed outright (its processes gone, its machine-wide settings still in place) is then undone by
+the next `up`, whichever directory that run used and whether or not that directory still exists.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ DNS_HEALTH_PORT, DNS_READY_PORT = 18080, 18181
 
 
 STATE_FILE = "node-state.json"
+# The machine-wide copy of the running cluster's state (see the module's docstring).
+MACHINE_RECORD = Path("/run/rolloutfleet-node") / STATE_FILE
 
 
 def default_dir() -> Path:
@@ -91,6 +96,8 @@ class RealCluster:
     sysctls: dict[str, str] = field(default_factory=dict)
     netns_before: list[str] = field(default_factory=list)
     tables_before: list[str] = field(default_factory=list)
+    # host.host_state() once earlier runs' leftovers were cleared: what teardown must leave behind.
+    host_before: dict = field(default_factory=dict)
 
     @property
     def containerd_addresses(self) -> list[str]:
@@ -110,17 +117,39 @@ class RealCluster:
 
     def save(self) -> None:
         data = {**asdict(self), "root": str(self.root), "bin_dir": str(self.bin_dir)}
-        partial = self.root / f"{STATE_FILE}.partial"
-        partial.write_text(json.dumps(data, indent=2) + "\n")
-        partial.replace(self.root / STATE_FILE)
+        text = json.dumps(data, indent=2) + "\n"
+        for path in (self.root / STATE_FILE, MACHINE_RECORD):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f"{STATE_FILE}.partial")
+            partial.write_text(text)
+            partial.replace(path)
+
+    def forget(self) -> None:
+        """After teardown: neither this directory nor the machine holds a cluster any more."""
+        (self.root / STATE_FILE).unlink(missing_ok=True)
+        if MACHINE_RECORD.exists() and RealCluster.read(MACHINE_RECORD).root == self.root:
+            MACHINE_RECORD.unlink()
 
     @classmethod
     def load(cls, root: Path) -> RealCluster | None:
         path = root / STATE_FILE
-        if not path.exists():
-            return None
+        return cls.read(path) if path.exists() else None
+
+    @classmethod
+    def read(cls, path: Path) -> RealCluster:
         data = json.loads(path.read_text())
         return cls(**{**data, "root": Path(data["root"]), "bin_dir": Path(data["bin_dir"])})
+
+
+def recorded_clusters(root: Path) -> list[RealCluster]:
+    """The clusters `up` in `root` must deal with first: the one recorded in `root`, and the one the
+    machine records if it ran from another directory (a run killed before its teardown)."""
+    found = [RealCluster.load(root)]
+    if MACHINE_RECORD.exists():
+        machine = RealCluster.read(MACHINE_RECORD)
+        if machine.root != root:
+            found.append(machine)
+    return [cluster for cluster in found if cluster is not None]
 
 
 def _start(name: str, args: list[str], logs: Path, env: dict[str, str] | None = None) -> int:
@@ -140,6 +169,21 @@ def _start(name: str, args: list[str], logs: Path, env: dict[str, str] | None = 
 def _alive(pid: int) -> bool:
     # 0 or less would name a process group (ours) to waitpid and kill: never a recorded process.
     return pid > 0 and controlplane._alive(pid)
+
+
+def recorded_program(name: str) -> str:
+    """The program a recorded process runs: "controlplane:etcd" → etcd, "kubelet:rf-cpu-node" →
+    kubelet. Pure."""
+    first, _, rest = name.partition(":")
+    return rest if first == "controlplane" else first
+
+
+def _still_runs(name: str, pid: int) -> bool:
+    """A recorded process still runs only if its PID runs the recorded program (PIDs are reused)."""
+    with contextlib.suppress(OSError):
+        argv0 = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+        return _alive(pid) and Path(argv0).name == recorded_program(name)
+    return False
 
 
 def _stop(pid: int, timeout_s: float = 20) -> None:
@@ -217,14 +261,14 @@ def _refuse_or_clear_leftovers(root: Path) -> None:
     """One cluster per machine. A cluster recorded in `root` whose processes are gone is cleaned up;
     a node of another cluster still running is refused (its bridge and chains are in use); a bridge
     or guard left by a run that was killed outright is removed."""
-    existing = RealCluster.load(root)
-    if existing is not None:
-        alive = {name: pid for name, pid in existing.pids.items() if _alive(pid)}
+    for existing in recorded_clusters(root):
+        alive = {name: pid for name, pid in existing.pids.items() if _still_runs(name, pid)}
         if alive:
-            raise RuntimeError(f"a cluster is running from {root} ({alive}); run `down` first")
-        say(f"cleaning up after an earlier cluster in {root}")
+            raise RuntimeError(f"a cluster is running from {existing.root} ({alive}); run `down` first")
+        say(f"cleaning up after an earlier cluster in {existing.root}")
+        existing.pids = {}  # all gone: a PID reused since then must not be signalled
         _teardown(existing)
-        (root / STATE_FILE).unlink()
+        existing.forget()
     others = host.node_processes()
     if others:
         listing = "\n".join(f"  {pid}: {cmd}" for pid, cmd in others.items())
@@ -265,6 +309,7 @@ def up(root: Path | None = None, timeout_s: float = 180) -> RealCluster:
         sysctls=host.read_sysctls(),
         netns_before=sorted(host.netns_names()),
         tables_before=sorted(host.nft_tables()),
+        host_before=host.host_state(),
     )
     cluster.save()
     try:
@@ -272,7 +317,7 @@ def up(root: Path | None = None, timeout_s: float = 180) -> RealCluster:
     except BaseException:
         say("start-up failed: stopping what was started")
         _teardown(cluster)
-        (root / STATE_FILE).unlink(missing_ok=True)
+        cluster.forget()
         raise
     progress(f"cluster up; export KUBECONFIG={cluster.kubeconfig}")
     return cluster
@@ -386,7 +431,7 @@ def down(root: Path | None = None) -> None:
         return
     started = time.monotonic()
     _teardown(cluster)
-    (root / STATE_FILE).unlink()
+    cluster.forget()
     say(f"torn down in {time.monotonic() - started:.1f}s")
 
 
