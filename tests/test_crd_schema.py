@@ -1,17 +1,21 @@
-"""The CRD file itself: every schema node uses only OpenAPI schema keywords (a stray key, e.g. from a
-comma inside an unquoted YAML flow mapping, is dropped silently on create and rejected on update);
-and its OpenAPI part (types, enums, bounds, patterns) accepts and rejects what it should. The CEL
-rules need a real API server: tests/e2e/test_crd.py."""
+"""The CRD file itself: it is generated from crds/source/ with Kubernetes' own schemas and is current;
+every schema node uses only OpenAPI schema keywords (a stray key, e.g. from a comma inside an
+unquoted YAML flow mapping, is dropped silently on create and rejected on update); and its OpenAPI
+part (types, enums, bounds, patterns) accepts and rejects what it should. The CEL rules and the
+API server's refusal of unknown fields need a real API server: tests/e2e/test_crd.py."""
 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 import yaml
+from rolloutfleet_operator.fleet import MAX_FLEET_NAME_LENGTH
+from rolloutfleet_testkit import crdgen
 
 ROOT = Path(__file__).resolve().parent.parent
 CRD = ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml"
@@ -36,6 +40,10 @@ SCHEMA_KEYWORDS = {
     "x-kubernetes-preserve-unknown-fields",
     "x-kubernetes-list-type",
     "x-kubernetes-list-map-keys",
+    # From Kubernetes' types: quantities and int-or-string, atomic maps.
+    "anyOf",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-map-type",
 }
 
 
@@ -60,9 +68,95 @@ def test_every_schema_node_uses_only_schema_keywords():
     assert not stray, f"keys that are not schema keywords: {stray}"
 
 
+def test_the_crd_files_are_generated_from_the_source_and_current():
+    text = crdgen.generated()
+    assert not crdgen.stale_targets(text), "run ./dev crd"
+    crd = yaml.safe_load(text)
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    # Kubernetes' types are filled in (a few fields that tell the real schema from a free-form one).
+    assert spec["proxy"]["properties"]["resources"]["properties"]["limits"]["additionalProperties"] == (
+        crdgen.INT_OR_STRING
+    )
+    toleration = spec["engines"]["properties"]["tolerations"]["items"]["properties"]
+    assert {"key", "operator", "value", "effect", "tolerationSeconds"} <= set(toleration)
+    volume = spec["proxy"]["properties"]["tokenizer"]["properties"]["volume"]
+    assert "name" not in volume["properties"] and "persistentVolumeClaim" in volume["properties"]
+    assert "name" in spec["engines"]["properties"]["volumes"]["items"]["required"]
+    # kubectl apply (client-side) keeps the whole object in a 256 KiB annotation.
+    assert len(json.dumps(crd, separators=(",", ":"))) < 200_000
+
+
+def test_kubernetes_types_become_structural_schemas():
+    schemas = {
+        "A": {
+            "description": "d",
+            "type": "object",
+            "properties": {"b": {"allOf": [{"$ref": "#/x/B"}], "default": {}}},
+        },
+        "B": {
+            "type": "object",
+            "required": ["k"],
+            "properties": {
+                "k": {"type": "string", "description": "nested: dropped"},
+                "q": {"$ref": "#/x/Q"},
+                "m": {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "x-kubernetes-list-type": "map",
+                    "x-kubernetes-list-map-keys": ["k"],
+                    "x-kubernetes-patch-strategy": "merge",
+                },
+                "free": {"type": "object"},
+                "port": {"type": "integer", "format": "int32"},
+                "name": {"type": "string", "format": "hostname-ish"},
+            },
+        },
+        "Q": {"oneOf": [{"type": "string"}, {"type": "number"}]},
+        "R": {"type": "object", "properties": {"r": {"$ref": "#/x/R"}}},
+    }
+    assert crdgen.structural("A", schemas) == {
+        "type": "object",
+        "properties": {
+            "b": {
+                "type": "object",
+                "required": ["k"],
+                "properties": {
+                    "k": {"type": "string"},
+                    "q": crdgen.INT_OR_STRING,
+                    "m": {"type": "array", "items": {"type": "string"}},
+                    "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+                    "port": {"type": "integer", "format": "int32"},
+                    "name": {"type": "string"},
+                },
+            }
+        },
+    }
+    with pytest.raises(ValueError, match="recursive"):
+        crdgen.structural("R", schemas)
+    source = {
+        "x-shared": {},
+        "spec": {"f": {"x-kubernetes-schema": "B", "x-kubernetes-schema-omit": ["k"], "description": "ours"}},
+    }
+    expanded = crdgen.expand(crdgen.without_shared_blocks(source), schemas)
+    assert expanded["spec"]["f"]["description"] == "ours"
+    assert "k" not in expanded["spec"]["f"]["properties"] and "required" not in expanded["spec"]["f"]
+    assert "x-shared" not in expanded
+
+
+def test_the_name_rule_is_the_operators_limit():
+    rules = [
+        r["rule"]
+        for r in yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"][
+            "x-kubernetes-validations"
+        ]
+    ]
+    assert f"self.metadata.name.size() <= {MAX_FLEET_NAME_LENGTH}" in rules
+    assert MAX_FLEET_NAME_LENGTH + len("-proxy-999") == 63
+
+
 def test_every_field_has_a_description_for_kubectl_explain():
-    crd = yaml.safe_load(CRD.read_text())
-    root = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    # The source: Kubernetes' types are leaves there (their own fields are Kubernetes' to document).
+    root = crdgen.source_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     undocumented = [
         path
         for section in ("spec", "status")

@@ -29,10 +29,10 @@ from rolloutfleet_operator.conditions import (
 from rolloutfleet_operator.fleet import MemorySpec, parse_fleet
 from rolloutfleet_operator.manifests import HASH_EXEMPT_ENV, proxy_pod
 from rolloutfleet_operator.plan import ProxyPodView
+from rolloutfleet_testkit.crdgen import source_crd
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "operator.md"
-CRD = ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml"
 CHART = ROOT / "charts" / "rolloutfleet-operator"
 OPERATOR = ROOT / "operator" / "rolloutfleet_operator"
 GPU_SAMPLE = ROOT / "operator" / "samples" / "gpu.yaml"
@@ -56,8 +56,9 @@ def table_rows(doc: str) -> list[str]:
 
 
 def schema() -> dict[str, Any]:
-    crd = yaml.safe_load(CRD.read_text())
-    (version,) = crd["spec"]["versions"]
+    """The CRD's source: fields of Kubernetes' own types (affinity, tolerations, volumes, ...) are
+    leaves there, documented by Kubernetes."""
+    (version,) = source_crd()["spec"]["versions"]
     return version
 
 

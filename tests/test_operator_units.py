@@ -21,10 +21,12 @@ from rolloutfleet_operator.conditions import (
 from rolloutfleet_operator.fleet import (
     DEFAULTS,
     TEMPLATE_HASH_ANNOTATION,
+    ImageDefaults,
     client_service_name,
     engine_name,
     gateway_name,
     headless_service_name,
+    image_defaults,
     labels,
     parse_fleet,
     proxy_ordinal,
@@ -104,12 +106,14 @@ def test_a_sparse_object_parses_with_the_crd_defaults():
     fleet = parse_fleet(
         {
             "metadata": {"name": "f"},
-            "spec": {"proxy": {"tokenizer": {"path": "/tok"}}, "engines": {"modelPath": "/m"}},
-        }
+            "spec": {"proxy": {"tokenizer": {"path": "/tok"}}, "engines": {"modelPath": "/m", "image": "e"}},
+        },
+        ImageDefaults(proxy="r.example/rolloutfleet-proxy:9.9.9", gateway="r.example/router:1"),
     )
     assert fleet.namespace == "default"
     assert fleet.proxy.replicas == 1 and fleet.proxy.port == 8000
-    assert fleet.proxy.image == "rolloutfleet-proxy:0.1.0"
+    assert fleet.proxy.image == "r.example/rolloutfleet-proxy:9.9.9"  # the operator's default
+    assert fleet.gateway.image == "r.example/router:1"
     assert fleet.proxy.dump.path == "/var/lib/rolloutfleet/dumps" and fleet.proxy.dump.empty_dir == {}
     assert fleet.proxy.memory.consecutive_samples == 3 and not fleet.proxy.memory.enabled
     assert fleet.gateway.port == 30080 and fleet.gateway.policy == "manual"  # routes by session
@@ -179,7 +183,7 @@ GPU_ROWS = [
     ("proxy replicas", GPU.proxy.replicas, 4),
     ("proxy name", POD["metadata"]["name"], "gpu-fleet-proxy-2"),
     ("proxy ordinal label", POD["metadata"]["labels"]["rolloutfleet.dev/ordinal"], "2"),
-    ("proxy image", container(POD)["image"], "rolloutfleet-proxy:0.1.0"),
+    ("proxy image (the operator's default)", container(POD)["image"], image_defaults().proxy),
     ("proxy pull policy", container(POD)["imagePullPolicy"], "IfNotPresent"),
     (
         "proxy resources",
@@ -228,7 +232,7 @@ GPU_ROWS = [
     ("env: no downward-API pod ip (binds the wildcard)", "POD_IP" in env_map(POD), False),
     ("env: extra", env_map(POD)["ROLLOUTFLEET_PROXY_LOG_LEVEL"], "info"),
     ("extra env last", container(POD)["env"][-1]["name"], "ROLLOUTFLEET_PROXY_LOG_LEVEL"),
-    ("gateway image", container(GATEWAY)["image"], "lmsysorg/sglang-router:latest"),
+    ("gateway image (the operator's default)", container(GATEWAY)["image"], image_defaults().gateway),
     ("gateway replicas", GATEWAY["spec"]["replicas"], 1),
     ("gateway policy", flag(container(GATEWAY)["args"], "--policy"), "manual"),
     ("gateway port", flag(container(GATEWAY)["args"], "--port"), "30080"),
@@ -286,7 +290,11 @@ GPU_ROWS = [
             },
         },
     ),
-    ("engine shm", volume(ENGINE, "/dev/shm")["volume"]["emptyDir"], {"medium": "Memory"}),
+    (
+        "engine shm",
+        volume(ENGINE, "/dev/shm")["volume"]["emptyDir"],
+        {"medium": "Memory", "sizeLimit": "16Gi"},
+    ),
     ("engine readiness", container(ENGINE)["readinessProbe"]["httpGet"], {"path": "/health", "port": 30000}),
     ("engine pod labels", ENGINE["spec"]["template"]["metadata"]["labels"], labels(GPU, "engine")),
     ("engine selector", ENGINE["spec"]["selector"]["matchLabels"], labels(GPU, "engine")),
@@ -594,7 +602,16 @@ def all_children(fleet):
 def test_every_child_is_owned_by_the_fleet_and_labelled(fleet):
     children = all_children(fleet)
     kinds = {c["kind"] for c in children}
-    expected_kinds = {"Service", "ServiceAccount", "Role", "RoleBinding", "Deployment", "Pod", "Secret"}
+    expected_kinds = {
+        "Service",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Deployment",
+        "Pod",
+        "Secret",
+        "PodDisruptionBudget",
+    }
     assert kinds == expected_kinds
     for child in children:
         meta = child["metadata"]
@@ -1113,7 +1130,7 @@ def test_children_do_not_share_mutable_state_with_the_fleet():
     container(pod_a)["resources"]["limits"]["memory"] = "1Gi"
     pod_spec(manifests.engine_deployment(GPU))["tolerations"].append({"key": "x"})
     assert GPU.proxy.resources["limits"]["memory"] == "8Gi"
-    assert len(GPU.engines.tolerations) == 1
+    assert len(GPU.engines.placement.tolerations) == 1
     assert manifests.proxy_pod(GPU, 2) == POD
 
 
@@ -1124,6 +1141,7 @@ def test_switching_to_external_engines_makes_the_engine_deployment_unwanted():
     assert manifests.unwanted_children(parse_fleet(external)) == [
         ("apps/v1", "Deployment", "gpu-fleet-engine"),
         ("v1", "Service", "gpu-fleet-engines"),
+        ("policy/v1", "PodDisruptionBudget", "gpu-fleet-engine"),
     ]
 
 

@@ -9,6 +9,8 @@ still parses into a complete view.
 from __future__ import annotations
 
 import copy
+import importlib.metadata
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -33,10 +35,14 @@ MANAGER = "rolloutfleet-operator"
 # The key of the generated admin-key Secret (used when spec.proxy.adminKeySecret is not set).
 GENERATED_ADMIN_KEY_KEY = "admin-key"
 
+# The longest suffix a child's name adds to the fleet's (a proxy pod `<fleet>-proxy-<ordinal>`,
+# ordinal < 1000, is also its hostname: a DNS label of at most 63 characters). The CRD refuses
+# longer fleet names with a CEL rule on metadata.name (a test checks they agree).
+MAX_FLEET_NAME_LENGTH = 63 - len("-proxy-999")
+
 # The CRD's defaults, by path under spec (tests compare them with the CRD's schema).
 DEFAULTS: dict[str, Any] = {
     "proxy.replicas": 1,
-    "proxy.image": "rolloutfleet-proxy:0.1.0",
     "proxy.imagePullPolicy": "IfNotPresent",
     "proxy.port": 8000,
     "proxy.staleSessionTimeoutSeconds": 1800,
@@ -56,18 +62,52 @@ DEFAULTS: dict[str, Any] = {
     "proxy.exportTtlSeconds": 600,
     "proxy.admission.maxConcurrentSessions": 0,
     "proxy.engineLogprobs": "tempered",
-    "gateway.image": "lmsysorg/sglang-router:latest",
+    "gateway.imagePullPolicy": "IfNotPresent",
     "gateway.replicas": 1,
     "gateway.port": 30080,
     "gateway.policy": "manual",
     "gateway.metricsPort": 29000,
     "engines.replicas": 1,
-    "engines.image": "lmsysorg/sglang:latest",
+    "engines.imagePullPolicy": "IfNotPresent",
+    "engines.maxUnavailable": 1,
     "engines.port": 30000,
     "engines.tensorParallelSize": 1,
     "engines.gpusPerEngine": 1,
     "engines.terminationGracePeriodSeconds": 600,
 }
+
+
+# The images used where the spec names none: the operator's environment (the chart sets them to
+# `<registry>/<name>:<version>`), else local names of this release.
+PROXY_IMAGE_ENV = "ROLLOUTFLEET_DEFAULT_PROXY_IMAGE"
+GATEWAY_IMAGE_ENV = "ROLLOUTFLEET_DEFAULT_GATEWAY_IMAGE"
+# The sglang-router release the tests run (pyproject.toml pins the same): the default gateway image.
+SGLANG_ROUTER_VERSION = "0.3.2"
+
+
+def package_version() -> str:
+    try:
+        return importlib.metadata.version("rolloutfleet")
+    except importlib.metadata.PackageNotFoundError:  # running from a source tree
+        return "0.0.0"
+
+
+@dataclass(frozen=True)
+class ImageDefaults:
+    proxy: str
+    gateway: str
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str], version: str) -> ImageDefaults:
+        """Pure: the defaults for that environment and package version."""
+        return cls(
+            proxy=env.get(PROXY_IMAGE_ENV) or f"rolloutfleet-proxy:{version}",
+            gateway=env.get(GATEWAY_IMAGE_ENV) or f"rolloutfleet-sglang-router:{SGLANG_ROUTER_VERSION}",
+        )
+
+
+def image_defaults() -> ImageDefaults:
+    return ImageDefaults.from_environment(os.environ, package_version())
 
 
 def _default(path: str) -> Any:
@@ -89,6 +129,33 @@ def _optional_str(value: Any) -> str | None:
 
 def _copy_list(value: Any) -> tuple[Any, ...]:
     return tuple(copy.deepcopy(list(value))) if value else ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and with what identity a component's pods run (the CRD's shared placement block)."""
+
+    node_selector: dict[str, str]
+    tolerations: tuple[dict[str, Any], ...]
+    affinity: dict[str, Any]
+    topology_spread_constraints: tuple[dict[str, Any], ...]
+    priority_class_name: str | None
+    image_pull_secrets: tuple[dict[str, Any], ...]
+    pod_labels: dict[str, str]
+    pod_annotations: dict[str, str]
+
+
+def _parse_placement(raw: Mapping[str, Any]) -> Placement:
+    return Placement(
+        node_selector=_copy_dict(raw.get("nodeSelector")),
+        tolerations=_copy_list(raw.get("tolerations")),
+        affinity=_copy_dict(raw.get("affinity")),
+        topology_spread_constraints=_copy_list(raw.get("topologySpreadConstraints")),
+        priority_class_name=_optional_str(raw.get("priorityClassName")),
+        image_pull_secrets=_copy_list(raw.get("imagePullSecrets")),
+        pod_labels={str(k): str(v) for k, v in (raw.get("podLabels") or {}).items()},
+        pod_annotations={str(k): str(v) for k, v in (raw.get("podAnnotations") or {}).items()},
+    )
 
 
 @dataclass(frozen=True)
@@ -166,6 +233,9 @@ class ProxySpec:
     admission: AdmissionSpec
     export_ttl_s: float
     env: tuple[dict[str, Any], ...]
+    env_from: tuple[dict[str, Any], ...]
+    placement: Placement
+    service_account_name: str | None
     admin_key_secret: SecretKeyRef | None  # None: the operator generates `<fleet>-admin-key`
     # The served model's chat formats, by SGLang's parser names (None: unset, the proxy's default),
     # and default chat-template keywords ({}: unset).
@@ -180,31 +250,40 @@ class ProxySpec:
 @dataclass(frozen=True)
 class GatewaySpec:
     image: str
+    image_pull_policy: str
     replicas: int
     port: int
     policy: str
     metrics_port: int
     extra_args: tuple[str, ...]
-    node_selector: dict[str, str]
-    tolerations: tuple[dict[str, Any], ...]
     resources: dict[str, Any]
+    placement: Placement
+    security_context: dict[str, Any] | None  # None: the operator's restricted default
 
 
 @dataclass(frozen=True)
 class EngineSpec:
     replicas: int
     image: str
+    image_pull_policy: str
     model_path: str
     port: int
     tensor_parallel_size: int
     gpus_per_engine: int
     args: tuple[str, ...]
-    node_selector: dict[str, str]
-    tolerations: tuple[dict[str, Any], ...]
     resources: dict[str, Any]
     volumes: tuple[dict[str, Any], ...]
     volume_mounts: tuple[dict[str, Any], ...]
     termination_grace_period_s: int
+    placement: Placement
+    env: tuple[dict[str, Any], ...]
+    env_from: tuple[dict[str, Any], ...]
+    runtime_class_name: str | None
+    service_account_name: str | None
+    shm_size: str | None
+    max_unavailable: int
+    security_context: dict[str, Any] | None  # None: the operator's baseline default
+    pod_security_context: dict[str, Any] | None
 
 
 @dataclass(frozen=True)
@@ -274,14 +353,14 @@ def _parse_admission(raw: Mapping[str, Any]) -> AdmissionSpec:
     )
 
 
-def _parse_proxy(raw: Mapping[str, Any]) -> ProxySpec:
+def _parse_proxy(raw: Mapping[str, Any], images: ImageDefaults) -> ProxySpec:
     tokenizer = raw.get("tokenizer") or {}
     if not tokenizer.get("path"):
         raise ValueError("spec.proxy.tokenizer.path is required")
     admin = raw.get("adminKeySecret")
     return ProxySpec(
         replicas=int(_get(raw, "replicas", "proxy.replicas")),
-        image=_get(raw, "image", "proxy.image"),
+        image=raw.get("image") or images.proxy,
         image_pull_policy=_get(raw, "imagePullPolicy", "proxy.imagePullPolicy"),
         port=int(_get(raw, "port", "proxy.port")),
         resources=_copy_dict(raw.get("resources")),
@@ -300,6 +379,9 @@ def _parse_proxy(raw: Mapping[str, Any]) -> ProxySpec:
         admission=_parse_admission(raw.get("admission") or {}),
         export_ttl_s=_get(raw, "exportTtlSeconds", "proxy.exportTtlSeconds"),
         env=_copy_list(raw.get("env")),
+        env_from=_copy_list(raw.get("envFrom")),
+        placement=_parse_placement(raw),
+        service_account_name=_optional_str(raw.get("serviceAccountName")),
         admin_key_secret=SecretKeyRef(admin["name"], admin["key"]) if admin else None,
         tool_call_parser=_optional_str(raw.get("toolCallParser")),
         reasoning_parser=_optional_str(raw.get("reasoningParser")),
@@ -308,44 +390,61 @@ def _parse_proxy(raw: Mapping[str, Any]) -> ProxySpec:
     )
 
 
-def _parse_gateway(raw: Mapping[str, Any]) -> GatewaySpec:
+def _optional_dict(value: Any) -> dict[str, Any] | None:
+    return None if value is None else _copy_dict(value)
+
+
+def _parse_gateway(raw: Mapping[str, Any], images: ImageDefaults) -> GatewaySpec:
     return GatewaySpec(
-        image=_get(raw, "image", "gateway.image"),
+        image=raw.get("image") or images.gateway,
+        image_pull_policy=_get(raw, "imagePullPolicy", "gateway.imagePullPolicy"),
         replicas=int(_get(raw, "replicas", "gateway.replicas")),
         port=int(_get(raw, "port", "gateway.port")),
         policy=_get(raw, "policy", "gateway.policy"),
         metrics_port=int(_get(raw, "metricsPort", "gateway.metricsPort")),
         extra_args=tuple(str(a) for a in raw.get("extraArgs") or ()),
-        node_selector=_copy_dict(raw.get("nodeSelector")),
-        tolerations=_copy_list(raw.get("tolerations")),
         resources=_copy_dict(raw.get("resources")),
+        placement=_parse_placement(raw),
+        security_context=_optional_dict(raw.get("securityContext")),
     )
 
 
 def _parse_engines(raw: Mapping[str, Any]) -> EngineSpec:
     if not raw.get("modelPath"):
         raise ValueError("spec.engines.modelPath is required")
+    if not raw.get("image"):
+        raise ValueError("spec.engines.image is required")
+    shm = raw.get("shmSize")
     return EngineSpec(
         replicas=int(_get(raw, "replicas", "engines.replicas")),
-        image=_get(raw, "image", "engines.image"),
+        image=raw["image"],
+        image_pull_policy=_get(raw, "imagePullPolicy", "engines.imagePullPolicy"),
         model_path=raw["modelPath"],
         port=int(_get(raw, "port", "engines.port")),
         tensor_parallel_size=int(_get(raw, "tensorParallelSize", "engines.tensorParallelSize")),
         gpus_per_engine=int(_get(raw, "gpusPerEngine", "engines.gpusPerEngine")),
         args=tuple(str(a) for a in raw.get("args") or ()),
-        node_selector=_copy_dict(raw.get("nodeSelector")),
-        tolerations=_copy_list(raw.get("tolerations")),
         resources=_copy_dict(raw.get("resources")),
         volumes=_copy_list(raw.get("volumes")),
         volume_mounts=_copy_list(raw.get("volumeMounts")),
         termination_grace_period_s=int(
             _get(raw, "terminationGracePeriodSeconds", "engines.terminationGracePeriodSeconds")
         ),
+        placement=_parse_placement(raw),
+        env=_copy_list(raw.get("env")),
+        env_from=_copy_list(raw.get("envFrom")),
+        runtime_class_name=_optional_str(raw.get("runtimeClassName")),
+        service_account_name=_optional_str(raw.get("serviceAccountName")),
+        shm_size=None if shm is None else str(shm),
+        max_unavailable=int(_get(raw, "maxUnavailable", "engines.maxUnavailable")),
+        security_context=_optional_dict(raw.get("securityContext")),
+        pod_security_context=_optional_dict(raw.get("podSecurityContext")),
     )
 
 
-def parse_fleet(obj: Mapping[str, Any]) -> Fleet:
-    """The typed view of a RolloutFleet object (as returned by the API: a camelCase dict).
+def parse_fleet(obj: Mapping[str, Any], images: ImageDefaults | None = None) -> Fleet:
+    """The typed view of a RolloutFleet object (as returned by the API: a camelCase dict); images
+    the spec leaves unset come from `images` (default: the operator's environment).
 
     Raises ValueError when required fields are missing or both/neither of spec.engines and
     spec.externalEngineUrls are set (the CRD's CEL rules reject such objects; this is a guard).
@@ -356,6 +455,9 @@ def parse_fleet(obj: Mapping[str, Any]) -> Fleet:
         raise ValueError("metadata.name is required")
     if "proxy" not in spec:
         raise ValueError("spec.proxy is required")
+    if len(metadata["name"]) > MAX_FLEET_NAME_LENGTH:
+        raise ValueError(f"metadata.name must be at most {MAX_FLEET_NAME_LENGTH} characters")
+    images = images or image_defaults()
     engines_raw = spec.get("engines")
     urls = tuple(spec.get("externalEngineUrls") or ())
     if (engines_raw is None) == (not urls):
@@ -366,8 +468,8 @@ def parse_fleet(obj: Mapping[str, Any]) -> Fleet:
         uid=metadata.get("uid") or "",
         generation=int(metadata.get("generation") or 0),
         labels=dict(metadata.get("labels") or {}),
-        proxy=_parse_proxy(spec["proxy"] or {}),
-        gateway=_parse_gateway(spec.get("gateway") or {}),
+        proxy=_parse_proxy(spec["proxy"] or {}, images),
+        gateway=_parse_gateway(spec.get("gateway") or {}, images),
         engines=_parse_engines(engines_raw) if engines_raw is not None else None,
         external_engine_urls=urls,
     )

@@ -27,6 +27,7 @@ RESOURCES = {
     ("v1", "Secret"): "secrets",
     ("v1", "Event"): "events",
     ("apps/v1", "Deployment"): "deployments",
+    ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("rolloutfleet.dev/v1alpha1", "RolloutFleet"): "rolloutfleets",
@@ -149,6 +150,26 @@ class KubeApi:
         except ApiException as exc:
             if exc.status == 404:
                 return False
+            raise
+
+    def evict(self, namespace: str, name: str) -> str:
+        """Evict a pod through the Eviction API, which honours its PodDisruptionBudgets (and then
+        deletes it gracefully): "evicted", "gone" (404), or "refused" (429: a budget allows no
+        disruption now; try again later)."""
+        path = resource_path("v1", "Pod", namespace, name) + "/eviction"
+        body = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+        }
+        try:
+            self.request("POST", path, body=body)
+            return "evicted"
+        except ApiException as exc:
+            if exc.status == 404:
+                return "gone"
+            if exc.status == 429:
+                return "refused"
             raise
 
     def apply(self, obj: Mapping[str, Any]) -> dict:

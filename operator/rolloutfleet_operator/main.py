@@ -30,9 +30,20 @@ _pod_readiness: dict[str, bool] = {}  # proxy pod uid -> Ready as last seen
 _static_namespaces = False
 
 
+# The proxy pods the operator watches: the API server filters by these labels, so the operator is
+# not sent every pod of the cluster (kopf's `labels=` filter on the handler alone filters client-side).
+WATCHED_POD_LABELS = {MANAGED_BY_LABEL: MANAGER, COMPONENT_LABEL: "proxy"}
+
+
+def select_watched_pods(settings: kopf.OperatorSettings) -> None:
+    selector = ",".join(f"{key}={value}" for key, value in sorted(WATCHED_POD_LABELS.items()))
+    settings.watching.label_selectors["", "v1", "pods"] = selector
+
+
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_) -> None:
     global _reconciler, _loops
+    select_watched_pods(settings)
     # Handler progress and diff bases go to annotations: the CRD's status schema would prune
     # kopf's default status fields, and a pruned write reads back different, so kopf would loop.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rolloutfleet.dev")
@@ -79,7 +90,7 @@ async def on_change(body: kopf.Body, **_) -> None:
     await _pass(body)
 
 
-@kopf.on.event("", "v1", "pods", labels={MANAGED_BY_LABEL: MANAGER, COMPONENT_LABEL: "proxy"})
+@kopf.on.event("", "v1", "pods", labels=WATCHED_POD_LABELS)
 async def on_proxy_pod_event(event: dict, body: kopf.Body, **_) -> None:
     """A proxy pod that is gone or failed is replaced now, and a readiness change is reflected now
     (status, rolls), not at the next periodic pass."""

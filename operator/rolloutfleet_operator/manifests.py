@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Sequence
 from typing import Any
 
 from rolloutfleet_proxy.settings import ENV
@@ -31,6 +30,7 @@ from .fleet import (
     TEMPLATE_HASH_ANNOTATION,
     Component,
     Fleet,
+    Placement,
     client_service_name,
     engine_name,
     engine_service_name,
@@ -60,6 +60,31 @@ TOKENIZER_VOLUME = "tokenizer"
 DUMP_VOLUME = "dumps"
 TMP_VOLUME = "tmp"
 SHM_VOLUME = "rolloutfleet-shm"
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
+
+# Pod Security "restricted" for a container (the proxy's and, unless the spec says otherwise, the
+# router's): non-root, no privilege escalation, no capabilities, the runtime's seccomp profile.
+RESTRICTED_CONTAINER: Manifest = {
+    "runAsNonRoot": True,
+    "runAsUser": NONROOT_ID,
+    "runAsGroup": NONROOT_ID,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+RESTRICTED_POD: Manifest = {
+    "runAsNonRoot": True,
+    "runAsUser": NONROOT_ID,
+    "runAsGroup": NONROOT_ID,
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+# Engines: GPU images (lmsysorg/sglang) run as root and write caches under $HOME, so the default
+# meets Pod Security "baseline" and hardens what does not get in their way; the spec can override.
+ENGINE_CONTAINER_DEFAULT: Manifest = {
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
 
 
 # --- common parts --------------------------------------------------------------------------------
@@ -82,6 +107,52 @@ def _metadata(fleet: Fleet, name: str, component: Component) -> Manifest:
         "namespace": fleet.namespace,
         "labels": labels(fleet, component),
         "ownerReferences": [owner_reference(fleet)],
+    }
+
+
+def pod_labels(fleet: Fleet, component: Component, placement: Placement) -> dict[str, str]:
+    """The spec's podLabels under the component's own (which the selectors use, so they win)."""
+    return {**placement.pod_labels, **labels(fleet, component)}
+
+
+def _place(pod_spec: Manifest, placement: Placement, default_spread: list[Manifest] | None = None) -> None:
+    """Placement from the spec into a pod spec (copied: manifests never alias the parsed fleet)."""
+    if placement.node_selector:
+        pod_spec["nodeSelector"] = copy.deepcopy(placement.node_selector)
+    if placement.tolerations:
+        pod_spec["tolerations"] = copy.deepcopy(list(placement.tolerations))
+    if placement.affinity:
+        pod_spec["affinity"] = copy.deepcopy(placement.affinity)
+    spread = copy.deepcopy(list(placement.topology_spread_constraints)) or default_spread
+    if spread:
+        pod_spec["topologySpreadConstraints"] = spread
+    if placement.priority_class_name:
+        pod_spec["priorityClassName"] = placement.priority_class_name
+    if placement.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = copy.deepcopy(list(placement.image_pull_secrets))
+
+
+def soft_spread_over_nodes(fleet: Fleet, component: Component) -> list[Manifest]:
+    """Prefer different nodes for the component's pods, but schedule them anyway (a small cluster
+    may have one node): one node's loss then takes as few proxies as the cluster allows."""
+    return [
+        {
+            "maxSkew": 1,
+            "topologyKey": HOSTNAME_TOPOLOGY,
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": labels(fleet, component)},
+        }
+    ]
+
+
+def pod_disruption_budget(fleet: Fleet, component: Component, name: str, max_unavailable: int) -> Manifest:
+    """Voluntary disruptions (node drains, evictions) take at most `max_unavailable` of the
+    component's pods at once."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(fleet, name, component),
+        "spec": {"maxUnavailable": max_unavailable, "selector": {"matchLabels": labels(fleet, component)}},
     }
 
 
@@ -222,6 +293,7 @@ def _proxy_pod_body(fleet: Fleet, pod_name: str) -> Manifest:
         "imagePullPolicy": proxy.image_pull_policy,
         "args": ["--host", BIND_ALL, "--port", str(proxy.port)],
         "env": _proxy_env(fleet, pod_name, public_url),
+        **({"envFrom": copy.deepcopy(list(proxy.env_from))} if proxy.env_from else {}),
         "ports": [{"name": "http", "containerPort": proxy.port, "protocol": "TCP"}],
         "volumeMounts": mounts,
         # Restoring a predecessor's sessions can take a while: the startup probe holds the
@@ -229,43 +301,31 @@ def _proxy_pod_body(fleet: Fleet, pod_name: str) -> Manifest:
         "startupProbe": _http_probe("/healthz", proxy.port, period_s=1, failure_threshold=300),
         "readinessProbe": _http_probe("/readyz", proxy.port, period_s=5, failure_threshold=2),
         "livenessProbe": _http_probe("/healthz", proxy.port, period_s=10, failure_threshold=6, timeout_s=5),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": NONROOT_ID,
-            "runAsGroup": NONROOT_ID,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": {**copy.deepcopy(RESTRICTED_CONTAINER), "readOnlyRootFilesystem": True},
     }
     if proxy.resources:
         container["resources"] = copy.deepcopy(proxy.resources)
     metadata = _metadata(fleet, pod_name, "proxy")
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": metadata,
-        "spec": {
-            "hostname": pod_name,
-            "subdomain": headless,
-            "restartPolicy": "Always",
-            "terminationGracePeriodSeconds": proxy.termination_grace_period_s,
-            # The proxy never calls the API; and service links could inject variables such as
-            # ROLLOUTFLEET_PROXY_PORT=tcp://... for a Service named "rolloutfleet-proxy".
-            "automountServiceAccountToken": False,
-            "enableServiceLinks": False,
-            "securityContext": {
-                "runAsNonRoot": True,
-                "runAsUser": NONROOT_ID,
-                "runAsGroup": NONROOT_ID,
-                "fsGroup": NONROOT_ID,
-                "seccompProfile": {"type": "RuntimeDefault"},
-            },
-            "containers": [container],
-            "volumes": volumes,
-        },
+    metadata["labels"] = pod_labels(fleet, "proxy", proxy.placement)
+    if proxy.placement.pod_annotations:
+        metadata["annotations"] = dict(proxy.placement.pod_annotations)
+    spec: Manifest = {
+        "hostname": pod_name,
+        "subdomain": headless,
+        "restartPolicy": "Always",
+        "terminationGracePeriodSeconds": proxy.termination_grace_period_s,
+        # The proxy never calls the API; and service links could inject variables such as
+        # ROLLOUTFLEET_PROXY_PORT=tcp://... for a Service named "rolloutfleet-proxy".
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {**copy.deepcopy(RESTRICTED_POD), "fsGroup": NONROOT_ID},
+        "containers": [container],
+        "volumes": volumes,
     }
+    if proxy.service_account_name:
+        spec["serviceAccountName"] = proxy.service_account_name
+    _place(spec, proxy.placement, soft_spread_over_nodes(fleet, "proxy"))
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
 def template_hash(fleet: Fleet) -> str:
@@ -279,9 +339,8 @@ def template_hash(fleet: Fleet) -> str:
     body = _proxy_pod_body(fleet, "$(POD_NAME)")
     for container in body["spec"]["containers"]:
         container["env"] = [e for e in container["env"] if e["name"] not in HASH_EXEMPT_ENV]
-    canonical = json.dumps(
-        {"labels": body["metadata"]["labels"], "spec": body["spec"]}, sort_keys=True, separators=(",", ":")
-    )
+    identity = {key: body["metadata"].get(key) for key in ("labels", "annotations")}
+    canonical = json.dumps({**identity, "spec": body["spec"]}, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:12]
 
 
@@ -290,7 +349,10 @@ def proxy_pod(fleet: Fleet, ordinal: int) -> Manifest:
     name = proxy_pod_name(fleet, ordinal)
     pod = _proxy_pod_body(fleet, name)
     pod["metadata"]["labels"][ORDINAL_LABEL] = str(ordinal)
-    pod["metadata"]["annotations"] = {TEMPLATE_HASH_ANNOTATION: template_hash(fleet)}
+    pod["metadata"]["annotations"] = {
+        **pod["metadata"].get("annotations", {}),
+        TEMPLATE_HASH_ANNOTATION: template_hash(fleet),
+    }
     return pod
 
 
@@ -392,6 +454,7 @@ def gateway_deployment(fleet: Fleet) -> Manifest:
     container: Manifest = {
         "name": GATEWAY_CONTAINER,
         "image": gateway.image,
+        "imagePullPolicy": gateway.image_pull_policy,
         "command": ["python3", "-m", "sglang_router.launch_router"],
         "args": gateway_args(fleet),
         "ports": [
@@ -402,6 +465,9 @@ def gateway_deployment(fleet: Fleet) -> Manifest:
         # healthy, so a gateway without engines is not Ready.
         "readinessProbe": _http_probe("/readiness", gateway.port, period_s=5, failure_threshold=3),
         "livenessProbe": _http_probe("/health", gateway.port, period_s=10, failure_threshold=6, timeout_s=5),
+        "securityContext": copy.deepcopy(
+            gateway.security_context if gateway.security_context is not None else RESTRICTED_CONTAINER
+        ),
     }
     if gateway.resources:
         container["resources"] = copy.deepcopy(gateway.resources)
@@ -410,8 +476,12 @@ def gateway_deployment(fleet: Fleet) -> Manifest:
         "enableServiceLinks": False,
         "containers": [container],
     }
-    _place(pod_spec, gateway.node_selector, gateway.tolerations)
-    return _deployment(fleet, gateway_name(fleet), "gateway", gateway.replicas, pod_spec)
+    if gateway.security_context is None:
+        pod_spec["securityContext"] = copy.deepcopy(RESTRICTED_POD)
+    _place(pod_spec, gateway.placement)
+    return _deployment(
+        fleet, gateway_name(fleet), "gateway", gateway.replicas, pod_spec, placement=gateway.placement
+    )
 
 
 def gateway_service(fleet: Fleet) -> Manifest:
@@ -446,6 +516,7 @@ def engine_deployment(fleet: Fleet) -> Manifest:
     container: Manifest = {
         "name": ENGINE_CONTAINER,
         "image": engines.image,
+        "imagePullPolicy": engines.image_pull_policy,
         "command": ["python3", "-m", "sglang.launch_server"],
         "args": [
             "--model-path",
@@ -458,7 +529,8 @@ def engine_deployment(fleet: Fleet) -> Manifest:
             str(engines.tensor_parallel_size),
             *engines.args,
         ],
-        "env": engine_env(fleet),
+        "env": _with_overrides(engine_env(fleet), engines.env),
+        **({"envFrom": copy.deepcopy(list(engines.env_from))} if engines.env_from else {}),
         "ports": [{"name": "http", "containerPort": engines.port, "protocol": "TCP"}],
         # With health generation off, SGLang's /health answers at once, also while weights update
         # (a generating /health hangs then and would fail the probes on every weight sync). The
@@ -468,6 +540,9 @@ def engine_deployment(fleet: Fleet) -> Manifest:
         ),
         "readinessProbe": _http_probe("/health", engines.port, period_s=5, failure_threshold=3, timeout_s=5),
         "livenessProbe": _http_probe("/health", engines.port, period_s=15, failure_threshold=8, timeout_s=10),
+        "securityContext": copy.deepcopy(
+            engines.security_context if engines.security_context is not None else ENGINE_CONTAINER_DEFAULT
+        ),
     }
     resources = _merge_resources(engines.resources, engines.gpus_per_engine)
     if resources:
@@ -476,7 +551,10 @@ def engine_deployment(fleet: Fleet) -> Manifest:
     volumes = copy.deepcopy(list(engines.volumes))
     if not any(mount.get("mountPath") == "/dev/shm" for mount in mounts):
         # A container's default 64 MiB /dev/shm is too small for NCCL and SGLang's tensor parallelism.
-        volumes.append({"name": SHM_VOLUME, "emptyDir": {"medium": "Memory"}})
+        shm: Manifest = {"medium": "Memory"}
+        if engines.shm_size:
+            shm["sizeLimit"] = engines.shm_size
+        volumes.append({"name": SHM_VOLUME, "emptyDir": shm})
         mounts.append({"name": SHM_VOLUME, "mountPath": "/dev/shm"})
     container["volumeMounts"] = mounts
     pod_spec: Manifest = {
@@ -486,10 +564,19 @@ def engine_deployment(fleet: Fleet) -> Manifest:
         "containers": [container],
         "volumes": volumes,
     }
-    _place(pod_spec, engines.node_selector, engines.tolerations)
+    for key, value in (
+        ("runtimeClassName", engines.runtime_class_name),
+        ("serviceAccountName", engines.service_account_name),
+        ("securityContext", engines.pod_security_context),
+    ):
+        if value:
+            pod_spec[key] = copy.deepcopy(value)
+    _place(pod_spec, engines.placement)
     # GPUs are usually all taken: a surge pod would stay Pending, so replace in place.
     strategy = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
-    return _deployment(fleet, engine_name(fleet), "engine", engines.replicas, pod_spec, strategy)
+    return _deployment(
+        fleet, engine_name(fleet), "engine", engines.replicas, pod_spec, strategy, placement=engines.placement
+    )
 
 
 def engine_env(fleet: Fleet) -> list[Manifest]:
@@ -514,14 +601,6 @@ def engine_service(fleet: Fleet) -> Manifest:
     }
 
 
-def _place(pod_spec: Manifest, node_selector: dict[str, str], tolerations: Sequence[dict[str, Any]]) -> None:
-    """Node placement from the spec (copied: manifests never alias the parsed fleet)."""
-    if node_selector:
-        pod_spec["nodeSelector"] = copy.deepcopy(node_selector)
-    if tolerations:
-        pod_spec["tolerations"] = copy.deepcopy(list(tolerations))
-
-
 def _deployment(
     fleet: Fleet,
     name: str,
@@ -529,12 +608,16 @@ def _deployment(
     replicas: int,
     pod_spec: Manifest,
     strategy: Manifest | None = None,
+    *,
+    placement: Placement,
 ) -> Manifest:
-    pod_labels = labels(fleet, component)
+    template_metadata: Manifest = {"labels": pod_labels(fleet, component, placement)}
+    if placement.pod_annotations:
+        template_metadata["annotations"] = dict(placement.pod_annotations)
     spec: Manifest = {
         "replicas": replicas,
-        "selector": {"matchLabels": pod_labels},
-        "template": {"metadata": {"labels": dict(pod_labels)}, "spec": pod_spec},
+        "selector": {"matchLabels": labels(fleet, component)},
+        "template": {"metadata": template_metadata, "spec": pod_spec},
     }
     if strategy:
         spec["strategy"] = strategy
@@ -553,7 +636,11 @@ def unwanted_children(fleet: Fleet) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of children this fleet may have created earlier but no longer wants:
     the engine Deployment once the spec switched to external engines (it would hold its GPUs)."""
     if fleet.engines is None:
-        return [("apps/v1", "Deployment", engine_name(fleet)), ("v1", "Service", engine_service_name(fleet))]
+        return [
+            ("apps/v1", "Deployment", engine_name(fleet)),
+            ("v1", "Service", engine_service_name(fleet)),
+            ("policy/v1", "PodDisruptionBudget", engine_name(fleet)),
+        ]
     return []
 
 
@@ -562,6 +649,7 @@ def desired_children(fleet: Fleet) -> list[Manifest]:
     children = [
         headless_service(fleet),
         client_service(fleet),
+        pod_disruption_budget(fleet, "proxy", client_service_name(fleet), fleet.proxy.memory.max_unavailable),
         gateway_service_account(fleet),
         gateway_role(fleet),
         gateway_role_binding(fleet),
@@ -569,5 +657,10 @@ def desired_children(fleet: Fleet) -> list[Manifest]:
         gateway_deployment(fleet),
     ]
     if fleet.engines is not None:
-        children += [engine_service(fleet), engine_deployment(fleet)]
+        engines = fleet.engines
+        children += [
+            engine_service(fleet),
+            pod_disruption_budget(fleet, "engine", engine_name(fleet), engines.max_unavailable),
+            engine_deployment(fleet),
+        ]
     return children

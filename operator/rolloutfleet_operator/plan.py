@@ -120,6 +120,11 @@ class Deletion:
     reason: str  # "Down" | "ScaleDown" | "ReplaceOutdated" | "RollingUpdate" (usable as an Event reason)
 
 
+# Deletions of Ready proxies by choice (not failures, not a scale-down the user asked for): these go
+# through the Eviction API and so honour the fleet's PodDisruptionBudget.
+VOLUNTARY_DISRUPTIONS = frozenset({"RollingUpdate"})
+
+
 @dataclass(frozen=True)
 class Plan:
     create: tuple[int, ...] = ()  # ordinals to create, ascending

@@ -22,7 +22,7 @@ from .conditions import ObservedState, fleet_status
 from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal, selector_string
 from .kubeapi import KubeApi, fleet_path, resource_path
 from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash, unwanted_children
-from .plan import plan_proxies, proxy_pod_view, ready_pod_urls
+from .plan import VOLUNTARY_DISRUPTIONS, plan_proxies, proxy_pod_view, ready_pod_urls
 
 log = logging.getLogger("rolloutfleet.operator")
 
@@ -142,7 +142,23 @@ class Reconciler:
                 metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, "Pod").inc()
         for deletion in plan.delete:
             # Graceful: the pod's own terminationGracePeriodSeconds lets the proxy drain and dump.
-            if await self._call(self.api.delete, resource_path("v1", "Pod", fleet.namespace, deletion.name)):
+            if deletion.reason in VOLUNTARY_DISRUPTIONS:
+                # A Ready proxy taken down by choice goes through the Eviction API, so the fleet's
+                # PodDisruptionBudget also covers node drains running at the same time.
+                outcome = await self._call(self.api.evict, fleet.namespace, deletion.name)
+                if outcome == "refused":
+                    log.info(
+                        "fleet %s/%s: %s waits for its disruption budget",
+                        fleet.namespace,
+                        fleet.name,
+                        deletion.name,
+                    )
+                gone = outcome == "evicted"
+            else:
+                gone = await self._call(
+                    self.api.delete, resource_path("v1", "Pod", fleet.namespace, deletion.name)
+                )
+            if gone:
                 result.deleted.append((deletion.name, deletion.reason))
                 metrics.PROXIES_DELETED.labels(fleet.namespace, fleet.name, deletion.reason).inc()
         if plan.waiting:

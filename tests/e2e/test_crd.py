@@ -1,6 +1,8 @@
 """The RolloutFleet CRD against a real API server: it installs with `kubectl apply -f crds/`, the
 samples apply cleanly, defaults are filled in, CEL rules reject invalid fleets with their messages,
-`kubectl explain` documents the fields and `kubectl scale` works through the scale subresource."""
+typos inside Kubernetes-typed fields (resources, tolerations, volumes) are refused at apply with the
+API server's message, `kubectl explain` documents the fields and `kubectl scale` works through the
+scale subresource."""
 
 from __future__ import annotations
 
@@ -53,12 +55,15 @@ def test_samples_apply_cleanly_and_get_defaults(cluster, crd, namespace):
             {
                 "proxy": {"tokenizer": {"path": "/t"}},
                 "externalEngineUrls": ["http://a"],
-                "engines": {"modelPath": "/m"},
+                "engines": {"modelPath": "/m", "image": "e"},
             },
             "set exactly one of spec.engines",
         ),
         (
-            {"proxy": {"tokenizer": {"path": "/t"}}, "engines": {"modelPath": "/m", "tensorParallelSize": 4}},
+            {
+                "proxy": {"tokenizer": {"path": "/t"}},
+                "engines": {"modelPath": "/m", "image": "e", "tensorParallelSize": 4},
+            },
             "gpusPerEngine must be at least engines.tensorParallelSize",
         ),
         (
@@ -104,6 +109,80 @@ def test_invalid_fleets_are_rejected_with_a_clear_message(cluster, crd, namespac
     result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=fleet("invalid", spec), check=False)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert cluster.kubectl("get", "rf", "invalid", "-n", namespace, check=False).returncode != 0
+
+
+EXTERNAL = {"externalEngineUrls": ["http://a"]}
+ENGINES = {"modelPath": "/m", "image": "e"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            {"proxy": {"tokenizer": {"path": "/t"}, "resources": {"limit": {"cpu": "1"}}}, **EXTERNAL},
+            'unknown field "spec.proxy.resources.limit"',
+        ),
+        (
+            {"proxy": {"tokenizer": {"path": "/t"}, "tolerations": [{"efect": "NoSchedule"}]}, **EXTERNAL},
+            'unknown field "spec.proxy.tolerations[0].efect"',
+        ),
+        (
+            {
+                "proxy": {"tokenizer": {"path": "/t"}},
+                "engines": {
+                    **ENGINES,
+                    "volumes": [{"name": "w", "persistentVolumeClaim": {"claimNmae": "x"}}],
+                },
+            },
+            'unknown field "spec.engines.volumes[0].persistentVolumeClaim.claimNmae"',
+        ),
+        (
+            {
+                "proxy": {
+                    "tokenizer": {"path": "/t", "volume": {"hostPath": {"path": "/t", "tpye": "Directory"}}}
+                },
+                **EXTERNAL,
+            },
+            'unknown field "spec.proxy.tokenizer.volume.hostPath.tpye"',
+        ),
+        (
+            {
+                "proxy": {"tokenizer": {"path": "/t"}},
+                "gateway": {"resources": {"limits": {"cpu": ["1"]}}},
+                **EXTERNAL,
+            },
+            "spec.gateway.resources.limits.cpu",
+        ),
+        (
+            {
+                "proxy": {"tokenizer": {"path": "/t"}, "podLabels": {"app.kubernetes.io/component": "x"}},
+                **EXTERNAL,
+            },
+            "podLabels cannot set the operator's own label keys",
+        ),
+        (
+            {"proxy": {"tokenizer": {"path": "/t"}}, "engines": {"modelPath": "/m"}},
+            "spec.engines.image: Required value",
+        ),
+    ],
+)
+def test_typos_in_kubernetes_typed_fields_are_refused_at_apply(cluster, crd, namespace, spec, message):
+    result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=fleet("typo", spec), check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert cluster.kubectl("get", "rf", "typo", "-n", namespace, check=False).returncode != 0
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("f" * 54, "metadata.name must be at most 53 characters"),
+        ("1fleet", "metadata.name must start with a letter"),
+    ],
+)
+def test_fleet_names_that_would_make_invalid_child_names_are_refused(cluster, crd, namespace, name, message):
+    spec = {"proxy": {"tokenizer": {"path": "/t"}}, **EXTERNAL}
+    result = cluster.kubectl("apply", "-n", namespace, "-f", "-", input=fleet(name, spec), check=False)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
 
 
 def test_explain_documents_fields(cluster, crd):

@@ -26,3 +26,42 @@ def test_apply_is_idempotent(cluster, namespace):
     assert api.delete("/api/v1/namespaces/" + namespace + "/services/applied") is True
     assert api.get("/api/v1/namespaces/" + namespace + "/services/applied") is None
     api.close()
+
+
+def test_evict_honours_the_pod_disruption_budget(cluster, namespace):
+    """The operator's rolls evict: refused (429) while the budget allows no disruption, done once it
+    does; a pod that is gone is reported as such."""
+    from waiting import wait_for
+
+    api = KubeApi(load_configuration(cluster.kubeconfig))
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "evictee", "namespace": namespace, "labels": {"app": "evictee"}},
+        "spec": {
+            "terminationGracePeriodSeconds": 1,
+            "containers": [{"name": "main", "image": "busybox:1.36", "command": ["sleep", "600"]}],
+        },
+    }
+    budget = {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": "evictee", "namespace": namespace},
+        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"app": "evictee"}}},
+    }
+    api.apply(pod)
+    api.apply(budget)
+    cluster.kubectl("wait", "--for=condition=Ready", "pod/evictee", "-n", namespace, "--timeout=120s")
+    path = f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets/evictee"
+
+    def budget_status(allowed: int) -> bool:
+        status = (api.get(path) or {}).get("status", {})
+        return status.get("currentHealthy") == 1 and status.get("disruptionsAllowed") == allowed
+
+    wait_for(lambda: budget_status(0), what="the budget's status (no disruption allowed)")
+    assert api.evict(namespace, "evictee") == "refused"
+    api.apply({**budget, "spec": {**budget["spec"], "maxUnavailable": 1}})
+    wait_for(lambda: budget_status(1), what="the budget's status (one disruption allowed)")
+    assert api.evict(namespace, "evictee") == "evicted"
+    assert api.evict(namespace, "no-such-pod") == "gone"
+    api.close()

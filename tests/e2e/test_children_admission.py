@@ -1,0 +1,108 @@
+"""Every child the operator builds for the samples is accepted by a real API server (a server-side
+dry run: the API's schemas and defaulting, name rules and admission), also for a fleet with the
+longest name the CRD allows; and the pods meet the Pod Security levels docs/operator.md states,
+checked against namespaces that enforce them: proxies and the gateway `restricted`, engines
+`baseline` (and, with GPU images running as root, not `restricted`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from rolloutfleet_operator import manifests
+from rolloutfleet_operator.fleet import MAX_FLEET_NAME_LENGTH, Fleet, parse_fleet
+
+pytestmark = pytest.mark.e2e
+
+SAMPLES = Path(__file__).resolve().parents[2] / "operator" / "samples"
+
+
+def sample_fleet(sample: str, namespace: str, name: str | None = None) -> Fleet:
+    obj = yaml.safe_load((SAMPLES / f"{sample}.yaml").read_text())
+    obj["metadata"].update({"namespace": namespace, "uid": "00000000-0000-0000-0000-000000000001"})
+    if name is not None:
+        obj["metadata"]["name"] = name
+    return parse_fleet(obj)
+
+
+def every_child(fleet: Fleet) -> list[dict[str, Any]]:
+    pods = [manifests.proxy_pod(fleet, i) for i in range(fleet.proxy.replicas)]
+    return [*manifests.desired_children(fleet), manifests.admin_key_secret(fleet, "k"), *pods]
+
+
+def as_pod(manifest: dict[str, Any]) -> dict[str, Any]:
+    """A Deployment's pod template as the Pod its ReplicaSet would create (Pod Security is enforced
+    on pods; on a Deployment it only warns)."""
+    if manifest["kind"] == "Pod":
+        return manifest
+    template = manifest["spec"]["template"]
+    metadata = {
+        **template["metadata"],
+        "name": f"{manifest['metadata']['name']}-x",
+        "namespace": manifest["metadata"]["namespace"],
+    }
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": template["spec"]}
+
+
+def dry_run(cluster, objects: list[dict[str, Any]]):
+    listing = json.dumps({"apiVersion": "v1", "kind": "List", "items": objects})
+    return cluster.kubectl("apply", "--dry-run=server", "-f", "-", input=listing, check=False)
+
+
+@pytest.mark.parametrize(
+    ("sample", "name"),
+    [("minimal", None), ("gpu", None), ("gpu", "g" * MAX_FLEET_NAME_LENGTH)],
+    ids=["minimal", "gpu", "gpu-longest-name"],
+)
+def test_every_child_passes_a_server_side_dry_run(cluster, namespace, sample, name):
+    fleet = sample_fleet(sample, namespace, name)
+    children = every_child(fleet)
+    assert {c["kind"] for c in children} >= {"Pod", "Service", "Deployment", "PodDisruptionBudget"}
+    result = dry_run(cluster, children)
+    assert result.returncode == 0, result.stderr
+    # The longest proxy pod name the fleet can have (ordinal 999) is a valid pod too.
+    if name is not None:
+        longest = manifests.proxy_pod(fleet, 999)
+        assert len(longest["metadata"]["name"]) == 63
+        result = dry_run(cluster, [longest])
+        assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture
+def enforcing(cluster, namespace):
+    def label(level: str) -> str:
+        cluster.kubectl(
+            "label", "namespace", namespace, f"pod-security.kubernetes.io/enforce={level}", "--overwrite"
+        )
+        return namespace
+
+    return label
+
+
+COMPONENT_PODS = {
+    "proxy": lambda fleet: manifests.proxy_pod(fleet, 0),
+    "gateway": lambda fleet: as_pod(manifests.gateway_deployment(fleet)),
+    "engine": lambda fleet: as_pod(manifests.engine_deployment(fleet)),
+}
+
+
+@pytest.mark.parametrize(
+    ("level", "component", "admitted"),
+    [
+        ("restricted", "proxy", True),
+        ("restricted", "gateway", True),
+        ("restricted", "engine", False),
+        ("baseline", "engine", True),
+    ],
+)
+def test_pod_security_levels(cluster, enforcing, level, component, admitted):
+    namespace = enforcing(level)
+    pod = COMPONENT_PODS[component](sample_fleet("gpu", namespace))
+    result = dry_run(cluster, [pod])
+    if admitted:
+        assert result.returncode == 0, result.stderr
+    else:
+        assert result.returncode != 0 and "violates PodSecurity" in result.stderr, result.stderr
