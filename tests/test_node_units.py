@@ -8,6 +8,7 @@ from __future__ import annotations
 import ipaddress
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 from cryptography import x509
@@ -153,6 +154,13 @@ def test_a_recorded_pid_counts_as_running_only_while_it_runs_the_recorded_progra
     kubelet.symlink_to(shutil.which("sleep"))
     process = subprocess.Popen([str(kubelet), "30"])
     try:
+        # Until the child has exec'd, /proc shows the forking parent's command line: wait for it.
+        deadline = time.monotonic() + 10
+        while (
+            b"kubelet" not in Path(f"/proc/{process.pid}/cmdline").read_bytes()
+            and time.monotonic() < deadline
+        ):
+            time.sleep(0.01)
         assert node_cluster._still_runs("kubelet:rf-cpu-node", process.pid)
         # The same PID under another name is a reused PID, not ours.
         assert not node_cluster._still_runs("containerd:rf-cpu-node", process.pid)
