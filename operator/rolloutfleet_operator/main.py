@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import socket
 import sys
 import time
 
@@ -15,6 +17,7 @@ from . import metrics
 from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER
 from .fleet_loop import FleetLoops
 from .kubeapi import KubeApi, fleet_path, load_configuration
+from .leadership import Election, StandbyHealth, keep_leadership, wait_for_leadership
 from .memory_watchdog import FleetWatchdog
 from .plan import is_ready, pod_event_needs_pass
 from .reconcile import Reconciler
@@ -150,6 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--bind-address", default="0.0.0.0", help="address the metrics and health servers listen on"
     )
+    parser.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="run only while holding a Lease (for more than one replica); standbys wait for it",
+    )
+    parser.add_argument(
+        "--leader-election-namespace", default=None, help="the Lease's namespace (default: POD_NAMESPACE)"
+    )
+    parser.add_argument("--leader-election-id", default="rolloutfleet-operator", help="the Lease's name")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
@@ -160,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     _static_namespaces = not args.all_namespaces
     port = metrics.serve(args.metrics_port, args.bind_address)
     log.info("serving /metrics on %s:%d", args.bind_address, port)
+    if args.leader_election:
+        lead(args)
     kopf.run(
         standalone=True,
         clusterwide=args.all_namespaces,
@@ -167,3 +181,19 @@ def main(argv: list[str] | None = None) -> int:
         liveness_endpoint=f"http://{args.bind_address}:{args.health_port}/healthz",
     )
     return 0
+
+
+def lead(args: argparse.Namespace) -> None:
+    """Block until this replica holds the Lease (answering health probes meanwhile), then keep it."""
+    namespace = args.leader_election_namespace or os.environ.get("POD_NAMESPACE")
+    if not namespace:
+        raise SystemExit("--leader-election needs --leader-election-namespace or POD_NAMESPACE")
+    identity = os.environ.get("POD_NAME") or socket.gethostname()
+    election = Election(namespace=namespace, name=args.leader_election_id, identity=identity)
+    api = KubeApi(load_configuration(None))
+    standby = StandbyHealth(args.bind_address, args.health_port)
+    try:
+        wait_for_leadership(api, election)
+    finally:
+        standby.close()
+    keep_leadership(api, election)
