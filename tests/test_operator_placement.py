@@ -5,6 +5,7 @@ labels and settings cannot be overridden by them."""
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +15,12 @@ import yaml
 from rolloutfleet_operator import main as operator_main
 from rolloutfleet_operator import manifests
 from rolloutfleet_operator.fleet import (
+    CLIENT_LABEL,
     GATEWAY_IMAGE_ENV,
+    NETWORK_POLICY_ENV,
     PROXY_IMAGE_ENV,
-    ImageDefaults,
+    NetworkPolicySpec,
+    OperatorDefaults,
     labels,
     parse_fleet,
 )
@@ -39,7 +43,9 @@ PLACEMENT = {
     "podLabels": {"kueue.x-k8s.io/queue-name": "rl", "cost-center": "42"},
     "podAnnotations": {"example.com/owner": "rl-team"},
 }
-IMAGES = ImageDefaults(proxy="reg.example/rolloutfleet-proxy:1.2.3", gateway="reg.example/router:0.3.2")
+IMAGES = OperatorDefaults(
+    proxy_image="reg.example/rolloutfleet-proxy:1.2.3", gateway_image="reg.example/router:0.3.2"
+)
 
 
 def gpu_sample() -> dict[str, Any]:
@@ -200,10 +206,10 @@ def test_disruption_budgets_for_proxies_and_engines():
 
 def test_default_images_come_from_the_operators_environment():
     env = {PROXY_IMAGE_ENV: "r.example/rolloutfleet-proxy:2.0.0", GATEWAY_IMAGE_ENV: "r.example/router:9"}
-    assert ImageDefaults.from_environment(env, "2.0.0") == ImageDefaults(
+    assert OperatorDefaults.from_environment(env, "2.0.0") == OperatorDefaults(
         "r.example/rolloutfleet-proxy:2.0.0", "r.example/router:9"
     )
-    assert ImageDefaults.from_environment({}, "2.0.0") == ImageDefaults(
+    assert OperatorDefaults.from_environment({}, "2.0.0") == OperatorDefaults(
         "rolloutfleet-proxy:2.0.0", "rolloutfleet-sglang-router:0.3.2"
     )
     obj = gpu_sample()
@@ -240,3 +246,79 @@ async def test_the_operator_watches_only_its_proxy_pods():
         "app.kubernetes.io/component=proxy",
     }
     assert list(settings.watching.label_selectors.collect(fleets)) == []
+
+
+POLICY_JSON = json.dumps(
+    {
+        "operatorNamespace": "rolloutfleet-system",
+        "clientNamespaces": {"matchLabels": {"team": "rl"}},
+        "scrapeNamespaces": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    }
+)
+
+
+def test_network_policy_settings_come_from_the_operators_environment():
+    defaults = OperatorDefaults.from_environment({NETWORK_POLICY_ENV: POLICY_JSON}, "1.0.0")
+    policy = defaults.network_policy
+    assert policy == NetworkPolicySpec(
+        clients={"matchLabels": {CLIENT_LABEL: "true"}},  # the default client label
+        client_namespaces={"matchLabels": {"team": "rl"}},
+        operator_namespace="rolloutfleet-system",
+        scrapers={"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    )
+    assert OperatorDefaults.from_environment({}, "1.0.0").network_policy is None
+    with pytest.raises(ValueError, match="operatorNamespace"):
+        NetworkPolicySpec.parse("{}")
+
+
+def test_network_policies_let_in_only_who_needs_each_component():
+    defaults = OperatorDefaults.from_environment({NETWORK_POLICY_ENV: POLICY_JSON}, "1.0.0")
+    fleet = parse_fleet(gpu_sample(), defaults)
+    policies = {
+        p["metadata"]["name"]: p["spec"]
+        for p in manifests.desired_children(fleet)
+        if p["kind"] == "NetworkPolicy"
+    }
+    assert set(policies) == {"gpu-fleet-proxy", "gpu-fleet-gateway", "gpu-fleet-engine"}
+    assert manifests.unwanted_children(fleet) == []
+    for name, component in (("proxy", "proxy"), ("gateway", "gateway"), ("engine", "engine")):
+        spec = policies[f"gpu-fleet-{name}"]
+        assert spec["podSelector"] == {"matchLabels": labels(fleet, component)} and spec["policyTypes"] == [
+            "Ingress"
+        ]
+    clients = {
+        "podSelector": {"matchLabels": {CLIENT_LABEL: "true"}},
+        "namespaceSelector": {"matchLabels": {"team": "rl"}},
+    }
+    scrapers = {
+        "podSelector": {},
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    }
+    operator = {
+        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "rolloutfleet-operator"}},
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "rolloutfleet-system"}},
+    }
+    assert policies["gpu-fleet-proxy"]["ingress"] == [
+        {"from": [clients, operator, scrapers], "ports": [{"protocol": "TCP", "port": 8000}]}
+    ]
+    assert policies["gpu-fleet-gateway"]["ingress"] == [
+        {
+            "from": [{"podSelector": {"matchLabels": labels(fleet, "proxy")}}],
+            "ports": [{"protocol": "TCP", "port": 30080}],
+        },
+        {"from": [scrapers], "ports": [{"protocol": "TCP", "port": 29000}]},
+    ]
+    engine_rules = policies["gpu-fleet-engine"]["ingress"]
+    assert engine_rules[0] == {
+        "from": [{"podSelector": {"matchLabels": labels(fleet, "gateway")}}],
+        "ports": [{"protocol": "TCP", "port": 30000}],
+    }
+    assert engine_rules[1] == {"from": [clients]}  # trainers: pause, weight updates, NCCL on any port
+    # External engines: no engine policy, and an earlier one is unwanted.
+    obj = gpu_sample()
+    del obj["spec"]["engines"]
+    obj["spec"]["externalEngineUrls"] = ["http://e:1"]
+    external = parse_fleet(obj, defaults)
+    assert ("networking.k8s.io/v1", "NetworkPolicy", "gpu-fleet-engine") in manifests.unwanted_children(
+        external
+    )

@@ -21,13 +21,13 @@ from rolloutfleet_operator.conditions import (
 from rolloutfleet_operator.fleet import (
     DEFAULTS,
     TEMPLATE_HASH_ANNOTATION,
-    ImageDefaults,
+    OperatorDefaults,
     client_service_name,
     engine_name,
     gateway_name,
     headless_service_name,
-    image_defaults,
     labels,
+    operator_defaults,
     parse_fleet,
     proxy_ordinal,
     proxy_pod_name,
@@ -108,7 +108,9 @@ def test_a_sparse_object_parses_with_the_crd_defaults():
             "metadata": {"name": "f"},
             "spec": {"proxy": {"tokenizer": {"path": "/tok"}}, "engines": {"modelPath": "/m", "image": "e"}},
         },
-        ImageDefaults(proxy="r.example/rolloutfleet-proxy:9.9.9", gateway="r.example/router:1"),
+        OperatorDefaults(
+            proxy_image="r.example/rolloutfleet-proxy:9.9.9", gateway_image="r.example/router:1"
+        ),
     )
     assert fleet.namespace == "default"
     assert fleet.proxy.replicas == 1 and fleet.proxy.port == 8000
@@ -183,7 +185,7 @@ GPU_ROWS = [
     ("proxy replicas", GPU.proxy.replicas, 4),
     ("proxy name", POD["metadata"]["name"], "gpu-fleet-proxy-2"),
     ("proxy ordinal label", POD["metadata"]["labels"]["rolloutfleet.dev/ordinal"], "2"),
-    ("proxy image (the operator's default)", container(POD)["image"], image_defaults().proxy),
+    ("proxy image (the operator's default)", container(POD)["image"], operator_defaults().proxy_image),
     ("proxy pull policy", container(POD)["imagePullPolicy"], "IfNotPresent"),
     (
         "proxy resources",
@@ -232,7 +234,11 @@ GPU_ROWS = [
     ("env: no downward-API pod ip (binds the wildcard)", "POD_IP" in env_map(POD), False),
     ("env: extra", env_map(POD)["ROLLOUTFLEET_PROXY_LOG_LEVEL"], "info"),
     ("extra env last", container(POD)["env"][-1]["name"], "ROLLOUTFLEET_PROXY_LOG_LEVEL"),
-    ("gateway image (the operator's default)", container(GATEWAY)["image"], image_defaults().gateway),
+    (
+        "gateway image (the operator's default)",
+        container(GATEWAY)["image"],
+        operator_defaults().gateway_image,
+    ),
     ("gateway replicas", GATEWAY["spec"]["replicas"], 1),
     ("gateway policy", flag(container(GATEWAY)["args"], "--policy"), "manual"),
     ("gateway port", flag(container(GATEWAY)["args"], "--port"), "30080"),
@@ -1135,13 +1141,18 @@ def test_children_do_not_share_mutable_state_with_the_fleet():
 
 
 def test_switching_to_external_engines_makes_the_engine_deployment_unwanted():
-    assert manifests.unwanted_children(GPU) == []
+    # Without NetworkPolicies in the operator's settings, any a fleet has are unwanted.
+    policies = [
+        ("networking.k8s.io/v1", "NetworkPolicy", f"gpu-fleet-{c}") for c in ("proxy", "gateway", "engine")
+    ]
+    assert manifests.unwanted_children(GPU) == policies
     external = _mutated("externalEngineUrls", ["http://e:1"])
     del external["spec"]["engines"]
     assert manifests.unwanted_children(parse_fleet(external)) == [
         ("apps/v1", "Deployment", "gpu-fleet-engine"),
         ("v1", "Service", "gpu-fleet-engines"),
         ("policy/v1", "PodDisruptionBudget", "gpu-fleet-engine"),
+        *policies,
     ]
 
 

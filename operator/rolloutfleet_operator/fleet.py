@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -77,10 +78,15 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
-# The images used where the spec names none: the operator's environment (the chart sets them to
-# `<registry>/<name>:<version>`), else local names of this release.
+# The operator's own settings for every fleet, from its environment (the chart sets them): the
+# images used where the spec names none (`<registry>/<name>:<version>`; else local names of this
+# release), and whether fleets get NetworkPolicies (JSON, see NetworkPolicySpec).
 PROXY_IMAGE_ENV = "ROLLOUTFLEET_DEFAULT_PROXY_IMAGE"
 GATEWAY_IMAGE_ENV = "ROLLOUTFLEET_DEFAULT_GATEWAY_IMAGE"
+NETWORK_POLICY_ENV = "ROLLOUTFLEET_NETWORK_POLICY"
+# Rollout workers and trainers label their pods with this to reach proxies (and engines) when the
+# fleets have NetworkPolicies, unless the operator is told another selector.
+CLIENT_LABEL = f"{API_GROUP}/client"
 # The sglang-router release the tests run (pyproject.toml pins the same): the default gateway image.
 SGLANG_ROUTER_VERSION = "0.3.2"
 
@@ -93,21 +99,47 @@ def package_version() -> str:
 
 
 @dataclass(frozen=True)
-class ImageDefaults:
-    proxy: str
-    gateway: str
+class NetworkPolicySpec:
+    """Who may reach a fleet's pods when its NetworkPolicies are on (Kubernetes LabelSelectors)."""
+
+    clients: dict[str, Any]  # pods of rollout workers and trainers: proxies and engines
+    client_namespaces: dict[str, Any] | None  # their namespaces; None: the fleet's own
+    operator_namespace: str  # the operator's pods poll the proxies' /stats from there
+    scrapers: dict[str, Any] | None  # namespaces allowed to scrape metrics ports (Prometheus); None: none
 
     @classmethod
-    def from_environment(cls, env: Mapping[str, str], version: str) -> ImageDefaults:
-        """Pure: the defaults for that environment and package version."""
+    def parse(cls, text: str) -> NetworkPolicySpec:
+        """From the JSON the chart puts in ROLLOUTFLEET_NETWORK_POLICY. Pure."""
+        raw = json.loads(text)
+        if not raw.get("operatorNamespace"):
+            raise ValueError(f"{NETWORK_POLICY_ENV} needs operatorNamespace")
         return cls(
-            proxy=env.get(PROXY_IMAGE_ENV) or f"rolloutfleet-proxy:{version}",
-            gateway=env.get(GATEWAY_IMAGE_ENV) or f"rolloutfleet-sglang-router:{SGLANG_ROUTER_VERSION}",
+            clients=raw.get("clients") or {"matchLabels": {CLIENT_LABEL: "true"}},
+            client_namespaces=raw.get("clientNamespaces"),
+            operator_namespace=raw["operatorNamespace"],
+            scrapers=raw.get("scrapeNamespaces"),
         )
 
 
-def image_defaults() -> ImageDefaults:
-    return ImageDefaults.from_environment(os.environ, package_version())
+@dataclass(frozen=True)
+class OperatorDefaults:
+    proxy_image: str
+    gateway_image: str
+    network_policy: NetworkPolicySpec | None = None  # None: fleets get no NetworkPolicies
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str], version: str) -> OperatorDefaults:
+        """Pure: the operator's settings for that environment and package version."""
+        policy = env.get(NETWORK_POLICY_ENV)
+        return cls(
+            proxy_image=env.get(PROXY_IMAGE_ENV) or f"rolloutfleet-proxy:{version}",
+            gateway_image=env.get(GATEWAY_IMAGE_ENV) or f"rolloutfleet-sglang-router:{SGLANG_ROUTER_VERSION}",
+            network_policy=NetworkPolicySpec.parse(policy) if policy else None,
+        )
+
+
+def operator_defaults() -> OperatorDefaults:
+    return OperatorDefaults.from_environment(os.environ, package_version())
 
 
 def _default(path: str) -> Any:
@@ -297,6 +329,7 @@ class Fleet:
     gateway: GatewaySpec
     engines: EngineSpec | None
     external_engine_urls: tuple[str, ...]
+    network_policy: NetworkPolicySpec | None = None
 
     @property
     def admin_key_ref(self) -> SecretKeyRef:
@@ -353,14 +386,14 @@ def _parse_admission(raw: Mapping[str, Any]) -> AdmissionSpec:
     )
 
 
-def _parse_proxy(raw: Mapping[str, Any], images: ImageDefaults) -> ProxySpec:
+def _parse_proxy(raw: Mapping[str, Any], defaults: OperatorDefaults) -> ProxySpec:
     tokenizer = raw.get("tokenizer") or {}
     if not tokenizer.get("path"):
         raise ValueError("spec.proxy.tokenizer.path is required")
     admin = raw.get("adminKeySecret")
     return ProxySpec(
         replicas=int(_get(raw, "replicas", "proxy.replicas")),
-        image=raw.get("image") or images.proxy,
+        image=raw.get("image") or defaults.proxy_image,
         image_pull_policy=_get(raw, "imagePullPolicy", "proxy.imagePullPolicy"),
         port=int(_get(raw, "port", "proxy.port")),
         resources=_copy_dict(raw.get("resources")),
@@ -394,9 +427,9 @@ def _optional_dict(value: Any) -> dict[str, Any] | None:
     return None if value is None else _copy_dict(value)
 
 
-def _parse_gateway(raw: Mapping[str, Any], images: ImageDefaults) -> GatewaySpec:
+def _parse_gateway(raw: Mapping[str, Any], defaults: OperatorDefaults) -> GatewaySpec:
     return GatewaySpec(
-        image=raw.get("image") or images.gateway,
+        image=raw.get("image") or defaults.gateway_image,
         image_pull_policy=_get(raw, "imagePullPolicy", "gateway.imagePullPolicy"),
         replicas=int(_get(raw, "replicas", "gateway.replicas")),
         port=int(_get(raw, "port", "gateway.port")),
@@ -442,9 +475,10 @@ def _parse_engines(raw: Mapping[str, Any]) -> EngineSpec:
     )
 
 
-def parse_fleet(obj: Mapping[str, Any], images: ImageDefaults | None = None) -> Fleet:
+def parse_fleet(obj: Mapping[str, Any], defaults: OperatorDefaults | None = None) -> Fleet:
     """The typed view of a RolloutFleet object (as returned by the API: a camelCase dict); images
-    the spec leaves unset come from `images` (default: the operator's environment).
+    the spec leaves unset and NetworkPolicies come from `defaults` (default: the operator's
+    environment).
 
     Raises ValueError when required fields are missing or both/neither of spec.engines and
     spec.externalEngineUrls are set (the CRD's CEL rules reject such objects; this is a guard).
@@ -457,7 +491,7 @@ def parse_fleet(obj: Mapping[str, Any], images: ImageDefaults | None = None) -> 
         raise ValueError("spec.proxy is required")
     if len(metadata["name"]) > MAX_FLEET_NAME_LENGTH:
         raise ValueError(f"metadata.name must be at most {MAX_FLEET_NAME_LENGTH} characters")
-    images = images or image_defaults()
+    defaults = defaults or operator_defaults()
     engines_raw = spec.get("engines")
     urls = tuple(spec.get("externalEngineUrls") or ())
     if (engines_raw is None) == (not urls):
@@ -468,10 +502,11 @@ def parse_fleet(obj: Mapping[str, Any], images: ImageDefaults | None = None) -> 
         uid=metadata.get("uid") or "",
         generation=int(metadata.get("generation") or 0),
         labels=dict(metadata.get("labels") or {}),
-        proxy=_parse_proxy(spec["proxy"] or {}, images),
-        gateway=_parse_gateway(spec.get("gateway") or {}, images),
+        proxy=_parse_proxy(spec["proxy"] or {}, defaults),
+        gateway=_parse_gateway(spec.get("gateway") or {}, defaults),
         engines=_parse_engines(engines_raw) if engines_raw is not None else None,
         external_engine_urls=urls,
+        network_policy=defaults.network_policy,
     )
 
 

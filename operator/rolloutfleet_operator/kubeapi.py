@@ -28,6 +28,7 @@ RESOURCES = {
     ("v1", "Event"): "events",
     ("apps/v1", "Deployment"): "deployments",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     ("rolloutfleet.dev/v1alpha1", "RolloutFleet"): "rolloutfleets",

@@ -30,6 +30,7 @@ from .fleet import (
     TEMPLATE_HASH_ANNOTATION,
     Component,
     Fleet,
+    NetworkPolicySpec,
     Placement,
     client_service_name,
     engine_name,
@@ -629,19 +630,100 @@ def _deployment(
     }
 
 
+# --- network policies ----------------------------------------------------------------------------
+
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "rolloutfleet-operator"}  # the chart's selector labels
+
+
+def _peer(pods: dict[str, Any], namespaces: dict[str, Any] | None) -> Manifest:
+    """A NetworkPolicy peer: pods matching `pods`, in the namespaces matching `namespaces` (None:
+    the policy's own namespace)."""
+    peer: Manifest = {"podSelector": copy.deepcopy(pods)}
+    if namespaces is not None:
+        peer["namespaceSelector"] = copy.deepcopy(namespaces)
+    return peer
+
+
+def _namespace_named(name: str) -> Manifest:
+    return {"matchLabels": {"kubernetes.io/metadata.name": name}}
+
+
+def _ingress(peers: list[Manifest], ports: list[int] | None) -> Manifest:
+    rule: Manifest = {"from": peers}
+    if ports is not None:
+        rule["ports"] = [{"protocol": "TCP", "port": port} for port in ports]
+    return rule
+
+
+def _network_policy(fleet: Fleet, component: Component, name: str, rules: list[Manifest]) -> Manifest:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(fleet, name, component),
+        "spec": {
+            "podSelector": {"matchLabels": labels(fleet, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": rules,
+        },
+    }
+
+
+def network_policies(fleet: Fleet, policy: NetworkPolicySpec) -> list[Manifest]:
+    """Ingress to the fleet's pods only from those that need it: proxies from the clients (rollout
+    workers, trainers) and the operator (its /stats polls); the gateway from the fleet's proxies;
+    engines from the gateway and the clients (trainers pause them and update their weights, NCCL
+    on any port). Metrics ports also from the scrapers' namespaces, when named."""
+    clients = _peer(policy.clients, policy.client_namespaces)
+    operator = _peer({"matchLabels": OPERATOR_POD_LABELS}, _namespace_named(policy.operator_namespace))
+    scrapers = [_peer({}, policy.scrapers)] if policy.scrapers is not None else []
+    proxy_port, gateway = fleet.proxy.port, fleet.gateway
+    proxy_rules = [_ingress([clients, operator, *scrapers], [proxy_port])]
+    gateway_rules = [_ingress([_peer({"matchLabels": labels(fleet, "proxy")}, None)], [gateway.port])]
+    if scrapers:
+        gateway_rules.append(_ingress(scrapers, [gateway.metrics_port]))
+    policies = [
+        _network_policy(fleet, "proxy", client_service_name(fleet), proxy_rules),
+        _network_policy(fleet, "gateway", gateway_name(fleet), gateway_rules),
+    ]
+    if fleet.engines is not None:
+        from_gateway = _ingress(
+            [_peer({"matchLabels": labels(fleet, "gateway")}, None)], [fleet.engines.port]
+        )
+        engine_rules = [from_gateway, _ingress([clients], None)]
+        if scrapers:
+            engine_rules.append(_ingress(scrapers, [fleet.engines.port]))
+        policies.append(_network_policy(fleet, "engine", engine_name(fleet), engine_rules))
+    return policies
+
+
+NETWORK_POLICY_NAMES = (client_service_name, gateway_name, engine_name)
+
+
 # --- everything ----------------------------------------------------------------------------------
 
 
 def unwanted_children(fleet: Fleet) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of children this fleet may have created earlier but no longer wants:
     the engine Deployment once the spec switched to external engines (it would hold its GPUs)."""
+    unwanted = []
     if fleet.engines is None:
-        return [
+        unwanted += [
             ("apps/v1", "Deployment", engine_name(fleet)),
             ("v1", "Service", engine_service_name(fleet)),
             ("policy/v1", "PodDisruptionBudget", engine_name(fleet)),
         ]
-    return []
+    # NetworkPolicies turned off in the operator, or the engine's once the engines are gone.
+    wanted = (
+        {c["metadata"]["name"] for c in network_policies(fleet, fleet.network_policy)}
+        if fleet.network_policy
+        else set()
+    )
+    unwanted += [
+        ("networking.k8s.io/v1", "NetworkPolicy", name(fleet))
+        for name in NETWORK_POLICY_NAMES
+        if name(fleet) not in wanted
+    ]
+    return unwanted
 
 
 def desired_children(fleet: Fleet) -> list[Manifest]:
@@ -663,4 +745,6 @@ def desired_children(fleet: Fleet) -> list[Manifest]:
             pod_disruption_budget(fleet, "engine", engine_name(fleet), engines.max_unavailable),
             engine_deployment(fleet),
         ]
+    if fleet.network_policy is not None:
+        children += network_policies(fleet, fleet.network_policy)
     return children

@@ -12,7 +12,9 @@ from rolloutfleet_testkit import fleet_setup
 
 
 @contextlib.contextmanager
-def installed_operator(cluster, namespace: str, release: str) -> Iterator[str]:
+def installed_operator(
+    cluster, namespace: str, release: str, extra: dict[str, str] | None = None
+) -> Iterator[str]:
     """The CRD applied and the operator installed by its chart into `namespace`, watching it; yields
     the operator's Deployment name. Uninstalled (and the namespace deleted) afterwards."""
     helm = str(cluster.bin_dir / "helm") if cluster.bin_dir else shutil.which("helm")
@@ -28,7 +30,7 @@ def installed_operator(cluster, namespace: str, release: str) -> Iterator[str]:
             helm,
             "--kubeconfig",
             cluster.kubeconfig,
-            *fleet_setup.helm_install_args(release, namespace, [namespace]),
+            *fleet_setup.helm_install_args(release, namespace, [namespace], extra),
         ],
         capture_output=True,
         text=True,

@@ -13,19 +13,42 @@ from typing import Any
 import pytest
 import yaml
 from rolloutfleet_operator import manifests
-from rolloutfleet_operator.fleet import MAX_FLEET_NAME_LENGTH, Fleet, parse_fleet
+from rolloutfleet_operator.fleet import (
+    MAX_FLEET_NAME_LENGTH,
+    NETWORK_POLICY_ENV,
+    Fleet,
+    OperatorDefaults,
+    parse_fleet,
+)
 
 pytestmark = pytest.mark.e2e
 
 SAMPLES = Path(__file__).resolve().parents[2] / "operator" / "samples"
 
 
-def sample_fleet(sample: str, namespace: str, name: str | None = None) -> Fleet:
+# The operator's settings with NetworkPolicies on (what the chart's networkPolicy values produce).
+WITH_POLICIES = OperatorDefaults.from_environment(
+    {
+        NETWORK_POLICY_ENV: json.dumps(
+            {
+                "operatorNamespace": "rolloutfleet-system",
+                "clientNamespaces": {"matchLabels": {"team": "rl"}},
+                "scrapeNamespaces": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+            }
+        )
+    },
+    "0.0.0",
+)
+
+
+def sample_fleet(
+    sample: str, namespace: str, name: str | None = None, defaults: OperatorDefaults | None = None
+) -> Fleet:
     obj = yaml.safe_load((SAMPLES / f"{sample}.yaml").read_text())
     obj["metadata"].update({"namespace": namespace, "uid": "00000000-0000-0000-0000-000000000001"})
     if name is not None:
         obj["metadata"]["name"] = name
-    return parse_fleet(obj)
+    return parse_fleet(obj, defaults)
 
 
 def every_child(fleet: Fleet) -> list[dict[str, Any]]:
@@ -53,14 +76,22 @@ def dry_run(cluster, objects: list[dict[str, Any]]):
 
 
 @pytest.mark.parametrize(
-    ("sample", "name"),
-    [("minimal", None), ("gpu", None), ("gpu", "g" * MAX_FLEET_NAME_LENGTH)],
-    ids=["minimal", "gpu", "gpu-longest-name"],
+    ("sample", "name", "defaults"),
+    [
+        ("minimal", None, None),
+        ("gpu", None, None),
+        ("gpu", "g" * MAX_FLEET_NAME_LENGTH, None),
+        ("gpu", None, WITH_POLICIES),
+        ("minimal", None, WITH_POLICIES),
+    ],
+    ids=["minimal", "gpu", "gpu-longest-name", "gpu-network-policies", "minimal-network-policies"],
 )
-def test_every_child_passes_a_server_side_dry_run(cluster, namespace, sample, name):
-    fleet = sample_fleet(sample, namespace, name)
+def test_every_child_passes_a_server_side_dry_run(cluster, namespace, sample, name, defaults):
+    fleet = sample_fleet(sample, namespace, name, defaults)
     children = every_child(fleet)
     assert {c["kind"] for c in children} >= {"Pod", "Service", "Deployment", "PodDisruptionBudget"}
+    if defaults is WITH_POLICIES:
+        assert sum(c["kind"] == "NetworkPolicy" for c in children) == (3 if fleet.engines else 2)
     result = dry_run(cluster, children)
     assert result.returncode == 0, result.stderr
     # The longest proxy pod name the fleet can have (ordinal 999) is a valid pod too.
