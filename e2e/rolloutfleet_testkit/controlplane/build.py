@@ -26,6 +26,9 @@ from rolloutfleet_testkit.cache import project_cache
 
 KUBERNETES_VERSION = "v1.35.4"
 HELM_VERSION = "v3.22.0"
+# promtool checks and unit-tests the chart's PrometheusRule (tests/test_chart_monitoring.py).
+# Prometheus 3.x publishes its Go module as v0.3XX.Y: v0.316.0 is Prometheus 3.16.0.
+PROMTOOL_VERSION = "v0.316.0"
 # kubelet and kube-proxy run the test cluster's nodes (rolloutfleet_testkit.node).
 KUBE_COMMANDS = (
     "kube-apiserver",
@@ -107,9 +110,12 @@ def version_ldflags(kubernetes: str) -> str:
     return " ".join(["-s", "-w", *flags])
 
 
-def go(args: list[str], cwd: Path, progress_label: str | None = None) -> str:
-    """Run the go tool; with a label, count the packages it compiles as progress (go build -v)."""
-    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
+def go(
+    args: list[str], cwd: Path, progress_label: str | None = None, env: dict[str, str] | None = None
+) -> str:
+    """Run the go tool (with `env` added to its environment); with a label, count the packages it
+    compiles as progress (go build -v)."""
+    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local", **(env or {})}
     if progress_label is None:
         result = subprocess.run(["go", *args], cwd=cwd, env=env, capture_output=True, text=True)
         if result.returncode != 0:
@@ -200,6 +206,33 @@ def build(bin_dir: Path, kubernetes: str = KUBERNETES_VERSION, helm: str = HELM_
             progress_label="helm",
         )
     return bin_dir
+
+
+def promtool_path(version: str = PROMTOOL_VERSION) -> Path:
+    """The cached promtool of that Prometheus module version (its own directory: not a Kubernetes binary)."""
+    return cache_root() / f"promtool-{version}" / "bin" / "promtool"
+
+
+def ensure_promtool(version: str = PROMTOOL_VERSION) -> Path:
+    """promtool, built with `go install` from the Go module proxy on first use; returns its path."""
+    path = promtool_path(version)
+    if path.exists():
+        return path
+    if shutil.which("go") is None:
+        raise RuntimeError("Go is needed to build promtool")
+    work = path.parent.parent / "src"
+    work.mkdir(parents=True, exist_ok=True)
+    say(f"building promtool {version} into {path.parent} (first run only; a few minutes on 2 cores)")
+    package = f"github.com/prometheus/prometheus/cmd/promtool@{version}"
+    # remove_all_sd (Prometheus's own build tag) leaves the service-discovery plugins out: checking
+    # and testing rules needs none, and some pin module versions the Go proxy no longer serves (nomad).
+    go(
+        ["install", "-v", "-trimpath", "-tags", "remove_all_sd", "-ldflags", "-s -w", package],
+        cwd=work,
+        progress_label="promtool",
+        env={"GOBIN": str(path.parent)},
+    )
+    return path
 
 
 def binaries_dir() -> Path:

@@ -6,7 +6,7 @@ up       the control plane and both nodes (rf-cpu-node, rf-gpu-node), CoreDNS an
 down     stops what `up` started and puts the machine back (sysctls, iptables, bridge, mounts, cgroups)
 status   the recorded processes and whether they run
 prepare  everything that is slow the first time (Debian packages, the Kubernetes binaries, CoreDNS,
-         the project's images), with progress, so the tests then start in seconds
+         promtool, the project's images), with progress, so the tests then start in seconds
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def prepare(images: list[str]) -> None:
-    from rolloutfleet_testkit.controlplane.build import ensure_binaries
+    from rolloutfleet_testkit.controlplane.build import ensure_binaries, ensure_promtool
     from rolloutfleet_testkit.images.catalog import build_image
 
     from .binaries import ensure_node_binaries
@@ -46,6 +46,7 @@ def prepare(images: list[str]) -> None:
     ensure_debian_packages()
     ensure_binaries()
     ensure_node_binaries()
+    ensure_promtool()
     for name in images:
         build_image(name)
 
