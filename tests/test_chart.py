@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,9 @@ def helm() -> str:
     return found
 
 
-def render(helm: str, *values: str) -> list[dict]:
-    args = [helm, "template", "fleet", str(CHART), "--namespace", "ops", "--kube-version", "1.35.4"]
+def render(helm: str, *values: str, flags: Sequence[str] = ()) -> list[dict]:
+    """`helm template` with `--set` for each of `values`, plus other helm `flags` (e.g. --api-versions)."""
+    args = [helm, "template", "fleet", str(CHART), "--namespace", "ops", "--kube-version", "1.35.4", *flags]
     for value in values:
         args += ["--set", value]
     result = subprocess.run(args, capture_output=True, text=True, check=True)

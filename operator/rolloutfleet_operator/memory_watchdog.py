@@ -91,6 +91,7 @@ class FleetWatchdog:
 
     async def _cycle(self, fleet: Fleet) -> None:
         spec = fleet.proxy.memory
+        metrics.PROXY_RSS_BUDGET.labels(fleet.namespace, fleet.name).set(spec.rss_budget_bytes)
         pods: list[dict[str, Any]] = []
         samples: dict[str, watchdog.Sample] = {}
         if spec.enabled:  # off: no list and no polls, only the condition saying so
@@ -125,6 +126,7 @@ class FleetWatchdog:
         wanted = {f"{fleet.name}-proxy-{i}" for i in range(fleet.proxy.replicas)}
         self.state = watchdog.retain(self.state, wanted)
         decision = watchdog.decide(self.state, list(views.values()), now, spec, desired=fleet.proxy.replicas)
+        metrics.PROXIES_IN_BACKOFF.labels(fleet.namespace, fleet.name).set(len(decision.in_backoff))
         restarts = []
         for restart in decision.restart:
             if await self._restart(fleet, by_name[restart.pod], restart):

@@ -36,6 +36,21 @@ FLEET_PROXIES = Gauge(
 PROXY_RSS = Gauge(
     "rolloutfleet_operator_proxy_rss_bytes", "RSS each proxy last reported on /stats", (*FLEET, "pod")
 )
+PROXY_RSS_BUDGET = Gauge(
+    "rolloutfleet_operator_proxy_rss_budget_bytes",
+    "The fleet's proxy.memory.rssBudgetBytes (0: the memory watchdog is off), set each watchdog cycle",
+    FLEET,
+)
+PROXIES_IN_BACKOFF = Gauge(
+    "rolloutfleet_operator_proxies_in_memory_backoff",
+    "Over-budget proxies the watchdog holds back in the cooldown of an earlier memory restart",
+    FLEET,
+)
+FLEET_READY = Gauge(
+    "rolloutfleet_operator_fleet_ready",
+    "1 while the fleet's Ready condition is True, set by each pass",
+    FLEET,
+)
 MEMORY_RESTARTS = Counter(
     "rolloutfleet_operator_memory_restarts_total",
     "Proxies restarted by the memory watchdog, by reason (OverBudget, DryRun for would-be restarts)",

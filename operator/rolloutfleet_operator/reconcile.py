@@ -90,6 +90,9 @@ class Reconciler:
             return result  # deleted meanwhile: its children go with it
         previous = current.get("status") or {}
         status = fleet_status(fleet, observed, now_rfc3339(), previous.get("conditions") or [])
+        metrics.FLEET_READY.labels(fleet.namespace, fleet.name).set(
+            any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
+        )
         if _status_differs(previous, status):
             await self._call(self.api.patch, path + "/status", {"status": status})
         return result
