@@ -131,8 +131,11 @@ COMPONENT_PODS = {
 )
 def test_pod_security_levels(cluster, enforcing, level, component, admitted):
     namespace = enforcing(level)
-    pod = COMPONENT_PODS[component](sample_fleet("gpu", namespace))
-    result = dry_run(cluster, [pod])
+    fleet = sample_fleet("gpu", namespace)
+    # The router's pod names its ServiceAccount, which must exist (a dry run persists nothing).
+    account = json.dumps(manifests.gateway_service_account(fleet))
+    cluster.kubectl("apply", "-f", "-", input=account)
+    result = dry_run(cluster, [COMPONENT_PODS[component](fleet)])
     if admitted:
         assert result.returncode == 0, result.stderr
     else:

@@ -47,7 +47,9 @@ def test_evict_honours_the_pod_disruption_budget(cluster, namespace):
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": {"name": "evictee", "namespace": namespace},
-        "spec": {"maxUnavailable": 0, "selector": {"matchLabels": {"app": "evictee"}}},
+        # minAvailable: a bare pod has no controller to count expected pods from (maxUnavailable
+        # needs one; the proxies' is their RolloutFleet, through its scale subresource).
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "evictee"}}},
     }
     api.apply(pod)
     api.apply(budget)
@@ -60,7 +62,7 @@ def test_evict_honours_the_pod_disruption_budget(cluster, namespace):
 
     wait_for(lambda: budget_status(0), what="the budget's status (no disruption allowed)")
     assert api.evict(namespace, "evictee") == "refused"
-    api.apply({**budget, "spec": {**budget["spec"], "maxUnavailable": 1}})
+    api.apply({**budget, "spec": {**budget["spec"], "minAvailable": 0}})
     wait_for(lambda: budget_status(1), what="the budget's status (one disruption allowed)")
     assert api.evict(namespace, "evictee") == "evicted"
     assert api.evict(namespace, "no-such-pod") == "gone"

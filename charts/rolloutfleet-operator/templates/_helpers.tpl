@@ -58,3 +58,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   resources: [events]
   verbs: [create, patch]
 {{- end -}}
+
+{{/* The operator's NetworkPolicy settings (ROLLOUTFLEET_NETWORK_POLICY): compact JSON. */}}
+{{- define "rolloutfleet-operator.networkPolicy" -}}
+{{- $policy := dict "operatorNamespace" .Release.Namespace -}}
+{{- with .Values.networkPolicy.clients }}{{ $_ := set $policy "clients" . }}{{ end -}}
+{{- with .Values.networkPolicy.clientNamespaces }}{{ $_ := set $policy "clientNamespaces" . }}{{ end -}}
+{{- with .Values.networkPolicy.scrapeNamespaces }}{{ $_ := set $policy "scrapeNamespaces" . }}{{ end -}}
+{{- toJson $policy -}}
+{{- end -}}
