@@ -47,10 +47,14 @@ def test_helm_lint(helm):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_chart_crds_are_the_project_crds():
-    assert (CHART / "crds" / "rolloutfleets.rolloutfleet.dev.yaml").read_text() == (
-        ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml"
-    ).read_text()
+def test_the_chart_installs_and_upgrades_the_project_crd_and_keeps_it_on_uninstall(helm):
+    project = yaml.safe_load((ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml").read_text())
+    crds = [doc for doc in render(helm) if doc["kind"] == "CustomResourceDefinition"]
+    assert crds == [project]  # a template (upgraded by helm upgrade), not the chart's crds/ folder
+    assert project["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    assert not (CHART / "crds").exists()
+    apart = render(helm, "crds.install=false")
+    assert not [doc for doc in apart if doc["kind"] == "CustomResourceDefinition"]
 
 
 def leader_election_role(docs: list[dict]) -> dict | None:

@@ -121,7 +121,7 @@ def pod_urls(kubectl: Kubectl, component: str, port: int) -> dict[str, str]:
 def install_operator(clock: Clock, kubectl: Kubectl, helm: Path) -> None:
     clock.step("kubectl apply -f crds/ (the RolloutFleet CRD), waiting until it is Established")
     print(kubectl("apply", "-f", str(fleet_setup.CRDS)).rstrip())
-    kubectl("wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s")
+    kubectl.wait_established("rolloutfleets.rolloutfleet.dev")
     kubectl("create", "namespace", NAMESPACE)
     clock.step(f"helm upgrade --install {RELEASE} charts/rolloutfleet-operator (watching {NAMESPACE})")
     args = fleet_setup.helm_install_args(RELEASE, NAMESPACE, [NAMESPACE])
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         clock.step(
             "the project's images, built from its Dockerfiles (cached by content), imported into the nodes"
         )
-        ensure_images(("proxy", "operator", "testkit"), node.containerd_addresses)
+        ensure_images(("proxy", "operator", "sglang-router", "testkit"), node.containerd_addresses)
         ensure_images(("sglang-emulator",), node.gpu_containerd_addresses)
         print(kubectl("get", "nodes", "-o", "wide").rstrip())
         install_operator(clock, kubectl, node.bin_dir / "helm")

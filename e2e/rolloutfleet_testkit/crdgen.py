@@ -1,5 +1,5 @@
 """The RolloutFleet CRD, generated: `crds/source/rolloutfleets.yaml` with Kubernetes' own schemas
-filled in, written to `crds/` and to the chart's `crds/` (`./dev crd`; `--check` fails if either is
+filled in, written to `crds/` and to the chart's `files/` (`./dev crd`; `--check` fails if either is
 stale, and a test runs that check).
 
 In the source, a schema node `{x-kubernetes-schema: io.k8s.api.core.v1.Toleration}` stands for the
@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "crds" / "source" / "rolloutfleets.yaml"
 TARGETS = (
     ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml",
-    ROOT / "charts" / "rolloutfleet-operator" / "crds" / "rolloutfleets.rolloutfleet.dev.yaml",
+    # The chart's copy, rendered by templates/crd.yaml (so `helm upgrade` upgrades it).
+    ROOT / "charts" / "rolloutfleet-operator" / "files" / "rolloutfleets.rolloutfleet.dev.yaml",
 )
 MARKER, OMIT = "x-kubernetes-schema", "x-kubernetes-schema-omit"
 HEADER = (

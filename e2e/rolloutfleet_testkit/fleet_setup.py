@@ -3,8 +3,9 @@
 Shared by the main job (`./dev demo`) and the operator's e2e tests. `local_fleet` starts from
 `operator/samples/gpu.yaml` and changes only what this machine cannot provide: volumes become
 hostPaths (the locally built test tokenizer stands in for the model), the engines run the SGLang
-emulator's image (a test stand-in for SGLang, behind SGLang's own command line), the gateway the
-test kit's (the real sglang-router), and resource requests shrink to fit this machine.
+emulator's image (a test stand-in for SGLang, behind SGLang's own command line), and resource
+requests shrink to fit this machine. The gateway runs the operator's default router image
+(images/sglang-router: the real sglang-router).
 Everything else is the sample as users apply it.
 The rest are small helpers both use: reading a fleet's status, finding its pods by label, and
 talking to a proxy the way a rollout worker does (plain HTTP, the admin key from the fleet's Secret).
@@ -66,7 +67,6 @@ def local_fleet(
     proxy["drainGraceSeconds"] = 10
     proxy["memory"] = copy.deepcopy(memory) if memory is not None else {"rssBudgetBytes": 0}
     fleet["spec"]["gateway"]["resources"] = {"requests": {"cpu": "100m", "memory": "128Mi"}}
-    fleet["spec"]["gateway"]["image"] = TESTKIT_IMAGE
     engine["image"] = EMULATOR_IMAGE
     engine["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}}
     engine["modelPath"] = "/models"
@@ -99,7 +99,7 @@ def external_fleet(
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "proxy": {"replicas": replicas, "tokenizer": tokenizer, **proxy},
-            "gateway": {"policy": "round_robin", "image": TESTKIT_IMAGE},
+            "gateway": {"policy": "round_robin"},  # the operator's default router image
             "externalEngineUrls": [engine_url],
         },
     }
@@ -138,6 +138,8 @@ def helm_install_args(
         "image.repository": OPERATOR_IMAGE,
         "watchNamespaces": "{" + ",".join(watch_namespaces) + "}",
         "resources.requests.cpu": "100m",
+        # The tests and the demo apply crds/ with kubectl, once for every release they install.
+        "crds.install": "false",
         **(extra or {}),
     }
     sets = [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +43,18 @@ class Kubectl:
                 return {}
             raise RuntimeError(f"kubectl get {' '.join(args)}: {result.stderr.strip()}")
         return json.loads(result.stdout)
+
+    def wait_established(self, crd: str, timeout_s: float = 60) -> None:
+        """Until the CRD is Established. (`kubectl wait --for=condition=Established` gives up at
+        once while a just-created CRD has no conditions yet, which a large one may not for a moment.)"""
+        deadline = time.monotonic() + timeout_s
+        query = '{.status.conditions[?(@.type=="Established")].status}'
+        while True:
+            result = self.run("get", "crd", crd, "-o", f"jsonpath={query}")
+            if result.returncode == 0 and result.stdout.strip() == "True":
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"CRD {crd} not Established after {timeout_s:.0f}s: {result.stderr.strip()}"
+                )
+            time.sleep(0.2)

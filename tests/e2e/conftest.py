@@ -24,7 +24,7 @@ import pytest
 from rolloutfleet_testkit.kubectl import Kubectl
 
 # What the e2e tests run: the product's images and the test kit's (stand-ins and the real router).
-IMAGES = ("proxy", "operator", "testkit", "busybox")
+IMAGES = ("proxy", "operator", "sglang-router", "testkit", "busybox")
 GPU_IMAGES = ("sglang-emulator",)  # gigabytes (torch): only where engines run
 
 
@@ -35,11 +35,14 @@ class Cluster:
     bin_dir: Path | None  # where kubectl and helm are (local cluster), else from PATH
     host_ip: str  # an address of this machine the cluster's pods can reach (servers for pods bind it)
 
+    def kubectl_client(self) -> Kubectl:
+        binary = str(self.bin_dir / "kubectl") if self.bin_dir else shutil.which("kubectl")
+        return Kubectl(binary, self.kubeconfig, timeout_s=60)
+
     def kubectl(
         self, *args: str, check: bool = True, input: str | None = None
     ) -> subprocess.CompletedProcess:
-        binary = str(self.bin_dir / "kubectl") if self.bin_dir else shutil.which("kubectl")
-        result = Kubectl(binary, self.kubeconfig, timeout_s=60).run(*args, input=input)
+        result = self.kubectl_client().run(*args, input=input)
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
         return result

@@ -21,9 +21,7 @@ def installed_operator(
     if helm is None:
         pytest.skip("installs the operator with helm, which is not on PATH")
     cluster.kubectl("apply", "-f", str(fleet_setup.CRDS))
-    cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s"
-    )
+    cluster.kubectl_client().wait_established("rolloutfleets.rolloutfleet.dev")
     cluster.kubectl("create", "namespace", namespace)
     install = subprocess.run(
         [

@@ -20,7 +20,7 @@ CRD_NAME = "rolloutfleets.rolloutfleet.dev"
 @pytest.fixture(scope="module")
 def crd(cluster):
     cluster.kubectl("apply", "-f", str(ROOT / "crds"))
-    cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    cluster.kubectl_client().wait_established(CRD_NAME)
     return CRD_NAME
 
 
