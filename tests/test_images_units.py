@@ -235,3 +235,17 @@ def test_sglang_flags_in_every_spelling_become_the_emulators():
     ]  # fmt: skip
     assert emulator_args([]) == []
     assert emulator_args(["--tp-size", "8", "--host", "::"]) == ["--host", "::"]
+
+
+def test_pruning_keeps_the_steps_of_the_current_builds_only(tmp_path, monkeypatch):
+    from rolloutfleet_testkit.images import build as build_module
+
+    monkeypatch.setattr(build_module, "images_cache", lambda: tmp_path)
+    steps = tmp_path / "layers"
+    current, stale = steps / "current", steps / "stale"
+    for step in (current, stale):
+        (step / "upper").mkdir(parents=True)
+        (step / "layer.tar").write_bytes(b"layer")
+    assert build_module.prune_layers({current}) == [stale]
+    assert current.exists() and not stale.exists()
+    assert build_module.prune_layers({current}) == []

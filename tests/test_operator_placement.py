@@ -322,3 +322,15 @@ def test_network_policies_let_in_only_who_needs_each_component():
     assert ("networking.k8s.io/v1", "NetworkPolicy", "gpu-fleet-engine") in manifests.unwanted_children(
         external
     )
+
+
+def test_the_default_router_image_carries_the_router_release_the_tests_run():
+    """One release of sglang-router: the one pyproject.toml pins (the tests run it), the one
+    images/sglang-router installs, and the tag of the operator's default gateway image."""
+    from rolloutfleet_operator.fleet import SGLANG_ROUTER_VERSION
+    from rolloutfleet_testkit.images.catalog import dockerfile_images, pinned_version
+
+    assert pinned_version("sglang-router") == SGLANG_ROUTER_VERSION
+    dockerfile, names = dockerfile_images()["sglang-router"]
+    assert f"sglang-router=={SGLANG_ROUTER_VERSION}" in dockerfile.read_text()
+    assert names == [OperatorDefaults.from_environment({}, "1.0.0").gateway_image]

@@ -326,3 +326,16 @@ def _file_step(
     say(f"  done in {time.monotonic() - started:.1f}s")
     state.layers.append(upper)
     state.key = key
+
+
+def prune_layers(keep: set[Path]) -> list[Path]:
+    """Remove the cached build steps not in `keep` (the step directories of the images built now):
+    a source change leaves the steps of the old build behind, gigabytes for an image with torch.
+    Returns what was removed."""
+    steps_dir = images_cache() / "layers"
+    removed = []
+    for step in sorted(steps_dir.iterdir()) if steps_dir.exists() else ():
+        if step.is_dir() and step not in keep:
+            shutil.rmtree(step, ignore_errors=True)
+            removed.append(step)
+    return removed

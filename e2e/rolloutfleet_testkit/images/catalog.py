@@ -25,10 +25,25 @@ def version() -> str:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
+def pinned_version(package: str) -> str:
+    """The version pyproject.toml pins `package` to (`package==X` in an extra)."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for requirement in (r for group in extras.values() for r in group):
+        name, _, pinned = requirement.partition("==")
+        if name.strip() == package:
+            return pinned.strip()
+    raise KeyError(f"pyproject.toml pins no {package}")
+
+
 def dockerfile_images() -> dict[str, tuple[Path, list[str]]]:
     """Image → (Dockerfile, names); every Dockerfile is built with the repository as its context."""
     v = version()
     return {
+        # The operator's default gateway image, tagged with the router's own version.
+        "sglang-router": (
+            ROOT / "images/sglang-router/Dockerfile",
+            [f"rolloutfleet-sglang-router:{pinned_version('sglang-router')}"],
+        ),
         "proxy": (ROOT / "images/proxy/Dockerfile", [f"rolloutfleet-proxy:{v}"]),
         "operator": (ROOT / "images/operator/Dockerfile", [f"rolloutfleet-operator:{v}"]),
         "testkit": (ROOT / "images/testkit/Dockerfile", [f"rolloutfleet-testkit:{v}"]),

@@ -47,18 +47,23 @@ def prepare(images: list[str]) -> None:
     ensure_binaries()
     ensure_node_binaries()
     ensure_promtool()
-    for name in images:
-        build_image(name)
+    built = [build_image(name) for name in images]
+    if set(images) >= set(DEFAULT_IMAGES):
+        # Every image the suite runs was just built: earlier builds' steps are garbage.
+        from rolloutfleet_testkit.images.build import prune_layers
+
+        removed = prune_layers({layer.parent for image in built for layer in image.layers})
+        if removed:
+            print(f"[images] removed {len(removed)} build steps of earlier builds", flush=True)
+
+
+DEFAULT_IMAGES = ("proxy", "operator", "sglang-router", "testkit", "sglang-emulator", "busybox")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "prepare":
-        prepare(
-            args.images
-            if args.images is not None
-            else ["proxy", "operator", "testkit", "sglang-emulator", "busybox"]
-        )
+        prepare(args.images if args.images is not None else list(DEFAULT_IMAGES))
     elif args.command == "up":
         cluster = up(args.dir, timeout_s=args.timeout)
         if args.images:
