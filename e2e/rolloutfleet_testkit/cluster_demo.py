@@ -31,7 +31,6 @@ from rolloutfleet_operator.plan import is_ready
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.cache import project_cache
 from rolloutfleet_testkit.demo import QUESTIONS, run_session, step
-from rolloutfleet_testkit.images import ensure_images
 from rolloutfleet_testkit.kubectl import Kubectl
 from rolloutfleet_testkit.node import real_cluster
 from rolloutfleet_testkit.node.config import BRIDGE_IP
@@ -412,14 +411,13 @@ def main(argv: list[str] | None = None) -> int:
     cache = project_cache()
     work = Path(tempfile.mkdtemp(prefix="rolloutfleet-demo-"))
     tokenizer_dir = build_test_tokenizer(cache / "test-tokenizer")
-    clock.step("a real local Kubernetes: control plane, two kubelets with containerd, kube-proxy, CoreDNS")
-    with real_cluster(work / "cluster") as node:
+    clock.step(
+        "a real local Kubernetes (control plane, two kubelets with containerd, kube-proxy, CoreDNS) and"
+        " the project's images, built from its Dockerfiles (cached by content), imported into the nodes"
+    )
+    images = ("proxy", "operator", "sglang-router", "testkit")
+    with real_cluster(work / "cluster", images=images, gpu_images=("sglang-emulator",)) as node:
         kubectl = Kubectl(node.bin_dir / "kubectl", node.kubeconfig, NAMESPACE)
-        clock.step(
-            "the project's images, built from its Dockerfiles (cached by content), imported into the nodes"
-        )
-        ensure_images(("proxy", "operator", "sglang-router", "testkit"), node.containerd_addresses)
-        ensure_images(("sglang-emulator",), node.gpu_containerd_addresses)
         print(kubectl("get", "nodes", "-o", "wide").rstrip())
         install_operator(clock, kubectl, node.bin_dir / "helm")
         show_fleet_and_repair(clock, kubectl, tokenizer_dir, work)

@@ -60,14 +60,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     if external:
         yield Cluster(external, local=False, bin_dir=None, host_ip=os.environ.get("ROLLOUTFLEET_HOST_IP", ""))
         return
-    from rolloutfleet_testkit.images import ensure_images
     from rolloutfleet_testkit.node import real_cluster
     from rolloutfleet_testkit.node.host import host_state
 
-    with real_cluster(tmp_path_factory.mktemp("cluster")) as node:
+    with real_cluster(tmp_path_factory.mktemp("cluster"), images=IMAGES, gpu_images=GPU_IMAGES) as node:
         before = node.host_before  # after `up` cleared what a killed earlier run left
-        ensure_images(IMAGES, node.containerd_addresses)
-        ensure_images(GPU_IMAGES, node.gpu_containerd_addresses)
         yield Cluster(node.kubeconfig, local=True, bin_dir=node.bin_dir, host_ip=node.bridge_ip)
     # Teardown put back every machine-wide setting the nodes changed (an error here fails the run).
     after = host_state()

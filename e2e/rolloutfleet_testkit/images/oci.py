@@ -1,8 +1,8 @@
 """Image archives containerd imports: layers (plain tar files) and an image config, written in the
 `docker save` layout (`manifest.json` with RepoTags, the config as `<digest>.json`, one directory per
 layer). `ctr images import` (containerd 1.6) reads it and names the image by RepoTags normalized as
-the kubelet normalizes image references (`rolloutfleet-proxy:0.1.0` →
-`docker.io/library/rolloutfleet-proxy:0.1.0`), so pods with imagePullPolicy Never/IfNotPresent find it.
+the kubelet normalizes image references (`rolloutfleet-proxy:1.2.3` →
+`docker.io/library/rolloutfleet-proxy:1.2.3`), so pods with imagePullPolicy Never/IfNotPresent find it.
 
 No registry is reachable here, so every image a pod runs is imported this way.
 """
@@ -66,13 +66,18 @@ def image_config(config: dict[str, Any], diff_ids: list[str]) -> dict[str, Any]:
     }
 
 
+def config_document(config: dict[str, Any], diff_ids: list[str]) -> bytes:
+    """The config document's bytes, as an archive holds them and a registry stores them."""
+    return json.dumps(image_config(config, diff_ids), sort_keys=True).encode()
+
+
 def write_image_archive(out: Path, layers: list[Path], config: dict[str, Any], names: list[str]) -> Path:
     """An archive of `layers` (tar files, bottom first) with `config` (Entrypoint, Cmd, Env,
     WorkingDir, User, ExposedPorts, Labels), named with every name in `names`."""
     if not layers or not names:
         raise ValueError("an image needs at least one layer and one name")
     diff_ids = [sha256_file(layer) for layer in layers]
-    document = json.dumps(image_config(config, diff_ids), sort_keys=True).encode()
+    document = config_document(config, diff_ids)
     config_name = f"{hashlib.sha256(document).hexdigest()}.json"
     layer_names = [f"{d}/layer.tar" for d in diff_ids]
     manifest = [{"Config": config_name, "RepoTags": list(names), "Layers": layer_names}]
@@ -107,6 +112,11 @@ def normalized(name: str) -> str:
     return f"{path}:{tag}"
 
 
+class ImportFailed(RuntimeError):
+    """containerd refused an archive: its image store may be damaged (e.g. a snapshot's parent gone
+    after a containerd killed mid-write, or images removed by the kubelet's disk-pressure GC)."""
+
+
 def import_archive(archive: Path, address: str, namespace: str = "k8s.io") -> None:
     """`ctr images import` into the containerd at `address` (its socket), unpacked for its default
     snapshotter (what the CRI plugin runs containers from)."""
@@ -120,7 +130,7 @@ def import_archive(archive: Path, address: str, namespace: str = "k8s.io") -> No
             f"ctr images import {archive} into {address}: no end in {IMPORT_TIMEOUT_S}s"
         ) from error
     if result.returncode != 0:
-        raise RuntimeError(
+        raise ImportFailed(
             f"ctr images import {archive} into {address} (namespace {namespace}) failed "
             f"({result.returncode}):\n{result.stderr[-2000:]}"
         )

@@ -31,7 +31,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,7 +39,7 @@ from rolloutfleet_testkit.cache import project_cache
 from rolloutfleet_testkit.controlplane import cluster as controlplane
 from rolloutfleet_testkit.controlplane.build import ensure_binaries
 from rolloutfleet_testkit.controlplane.pki import Pki, kubeconfig
-from rolloutfleet_testkit.images.oci import import_archive
+from rolloutfleet_testkit.images.oci import ImportFailed, import_archive
 from rolloutfleet_testkit.images.static import static_image
 from rolloutfleet_testkit.kubectl import Kubectl
 from rolloutfleet_testkit.processes import free_port
@@ -447,13 +447,45 @@ def status(root: Path | None = None) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def real_cluster(root: Path, timeout_s: float = 180) -> Iterator[RealCluster]:
-    """The cluster, up for the body of the `with` and torn down after it (also on failure)."""
-    cluster = up(root, timeout_s)
+def real_cluster(
+    root: Path, timeout_s: float = 180, images: Sequence[str] = (), gpu_images: Sequence[str] = ()
+) -> Iterator[RealCluster]:
+    """The cluster, up for the body of the `with` and torn down after it (also on failure), with
+    `images` in every node's containerd and `gpu_images` in the GPU node's."""
+    cluster = up_with_images(root, timeout_s, images, gpu_images)
     try:
         yield cluster
     finally:
         down(cluster.root)
+
+
+def up_with_images(
+    root: Path, timeout_s: float, images: Sequence[str], gpu_images: Sequence[str]
+) -> RealCluster:
+    """`up`, then the images imported. A node's image store that refuses an import (damaged by a
+    run killed mid-write) is emptied and the cluster started again, once: the stores are caches."""
+    from rolloutfleet_testkit.images import ensure_images
+
+    for attempt in (1, 2):
+        cluster = None
+        try:
+            cluster = up(root, timeout_s)
+            ensure_images(images, cluster.containerd_addresses)
+            ensure_images(gpu_images, cluster.gpu_containerd_addresses)
+            return cluster
+        except ImportFailed as error:
+            if cluster is not None:
+                down(cluster.root)
+            if attempt == 2:
+                raise
+            say(f"an image store refused an import, emptying the nodes' image stores: {str(error)[-300:]}")
+            for node in NODES:
+                shutil.rmtree(image_store(node), ignore_errors=True)
+        except BaseException:
+            if cluster is not None:
+                down(cluster.root)
+            raise
+    raise AssertionError("unreachable")
 
 
 def _teardown(cluster: RealCluster) -> None:
