@@ -20,6 +20,7 @@ from rolloutfleet_operator.fleet import (
     OperatorDefaults,
     parse_fleet,
 )
+from waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -132,10 +133,19 @@ COMPONENT_PODS = {
 def test_pod_security_levels(cluster, enforcing, level, component, admitted):
     namespace = enforcing(level)
     fleet = sample_fleet("gpu", namespace)
-    # The router's pod names its ServiceAccount, which must exist (a dry run persists nothing).
+    # The router's pod names its ServiceAccount, which must exist (a dry run persists nothing), and be
+    # in the admission plugin's cache, which follows the API by a moment.
     account = json.dumps(manifests.gateway_service_account(fleet))
     cluster.kubectl("apply", "-f", "-", input=account)
-    result = dry_run(cluster, [COMPONENT_PODS[component](fleet)])
+    pod = COMPONENT_PODS[component](fleet)
+
+    def admitted_or_refused():
+        result = dry_run(cluster, [pod])
+        return None if "error looking up service account" in result.stderr else result
+
+    result = wait_for(
+        admitted_or_refused, timeout_s=30, what="the ServiceAccount to reach the admission plugin"
+    )
     if admitted:
         assert result.returncode == 0, result.stderr
     else:
