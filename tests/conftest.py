@@ -16,6 +16,13 @@ from rolloutfleet_testkit.processes import serve_app
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Like promtool's tests, these build their Go binary on first use (cached per version).
+    config.addinivalue_line(
+        "markers", "registry: builds (Go module proxy, cached) and runs the OCI distribution registry"
+    )
+
+
 @pytest.fixture(scope="session")
 def test_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
     """The locally built test tokenizer, built once per test session."""

@@ -12,7 +12,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from rolloutfleet_testkit.images import dockerfile
+from rolloutfleet_testkit.images import build, dockerfile
 from rolloutfleet_testkit.images.build import (
     BuildState,
     content_key,
@@ -21,6 +21,7 @@ from rolloutfleet_testkit.images.build import (
     ignore_patterns,
     layer_tar,
 )
+from rolloutfleet_testkit.images.catalog import image_name
 from rolloutfleet_testkit.images.oci import tar_layer, write_image_archive
 from rolloutfleet_testkit.sglang_emulator.sglang_cli import emulator_args
 
@@ -102,7 +103,7 @@ def test_an_image_archive_read_back_holds_its_layers_config_and_names(tmp_path):
         "ExposedPorts": {"8000/tcp": {}},
         "Labels": {"a": "b"},
     }
-    names = ["rolloutfleet-proxy:0.1.0", "rolloutfleet.local/pause:1"]
+    names = [image_name("proxy"), "rolloutfleet.local/pause:1"]
     archive = write_image_archive(tmp_path / "image.tar", [base, top], config, names)
     with tarfile.open(archive) as read:
         (entry,) = json.loads(read.extractfile("manifest.json").read())
@@ -249,3 +250,85 @@ def test_pruning_keeps_the_steps_of_the_current_builds_only(tmp_path, monkeypatc
     assert build_module.prune_layers({current}) == [stale]
     assert current.exists() and not stale.exists()
     assert build_module.prune_layers({current}) == []
+
+
+def test_from_names_a_base_or_an_earlier_stage_and_copy_takes_from():
+    assert dockerfile.stage_source("python:3.11-slim") == ("python:3.11-slim", None)
+    assert dockerfile.stage_source("python:3.11-slim AS Builder") == ("python:3.11-slim", "builder")
+    assert dockerfile.stage_source("builder as final") == ("builder", "final")
+    with pytest.raises(dockerfile.DockerfileError):
+        dockerfile.stage_source("python:3.11-slim builder")
+    (_, copy) = dockerfile.parse("FROM x\nCOPY --from=builder /opt/venv /opt/venv\n")
+    assert copy.flag("from") == ["builder"] and copy.text == "/opt/venv /opt/venv"
+
+
+def test_copy_from_a_stage_keeps_links_modes_and_times(tmp_path):
+    tree, merged = a_tree(tmp_path / "stage" / "opt" / "env").parents[1], tmp_path / "merged"
+    os.utime(tree / "opt/env/etc/a.conf", (1_700_000_000, 1_700_000_000))
+    build.copy_from_tree(tree, merged, ["/opt/env"], "/opt/env", "/")
+    build.copy_from_tree(tree, merged, ["opt/env/etc/a.conf", "/opt/env/bin/tool"], "conf/", "/srv")
+    build.copy_from_tree(tree, merged, ["/opt/env/etc/z.conf"], "/etc/renamed.conf", "/")
+    assert (merged / "opt/env/bin/alias").is_symlink() and os.readlink(merged / "opt/env/bin/alias") == "tool"
+    assert (merged / "opt/env/bin/tool").stat().st_mode & 0o777 == 0o755
+    assert (merged / "opt/env/etc/a.conf").stat().st_mtime == 1_700_000_000
+    assert (merged / "srv/conf/a.conf").read_text() == "a\n" and (merged / "srv/conf/tool").exists()
+    assert (merged / "etc/renamed.conf").read_text() == "z\n"
+    with pytest.raises(ValueError, match="no /opt/missing"):
+        build.copy_from_tree(tree, merged, ["/opt/missing"], "/x", "/")
+    with pytest.raises(ValueError, match=r"no \.\./\.\./etc"):
+        build.copy_from_tree(tree, merged, ["../../etc"], "/x", "/")
+
+
+MULTI_STAGE = """\
+ARG BASE=python:3.11-slim@sha256:0000000000000000000000000000000000000000000000000000000000000000
+FROM ${BASE} AS builder
+WORKDIR /opt/app
+COPY proxy ./proxy
+COPY pyproject.toml ./
+FROM builder AS tested
+ENV ONLY_IN_TESTED=1
+FROM ${BASE}
+COPY --from=builder /opt/app /opt/app
+COPY --from=0 /opt/app/pyproject.toml /etc/
+ARG VERSION=0.0.0
+LABEL org.opencontainers.image.version="${VERSION}"
+"""
+
+
+@root_only
+def test_a_multi_stage_build_keeps_the_last_stage_only(tmp_path, monkeypatch):
+    from rolloutfleet_testkit.images import base as base_image
+
+    # A tiny stand-in base (a debootstrapped one is built by the image e2e tests).
+    rootfs = tmp_path / "base" / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    (rootfs / "etc" / "os-release").write_text("ID=stand-in\n")
+    base_tar = tar_layer(rootfs, tmp_path / "base" / "layer.tar")
+    monkeypatch.setattr(base_image, "base_layer", lambda: base_tar)
+    monkeypatch.setattr(base_image, "base_rootfs", lambda: rootfs)
+    monkeypatch.setattr(base_image, "base_key", lambda: "stand-in")
+    monkeypatch.setattr(build, "images_cache", lambda: tmp_path / "cache")
+    context = a_context(tmp_path / "ctx")
+    (context / "Dockerfile").write_text(MULTI_STAGE)
+
+    layers, config, key = build.build(context / "Dockerfile", context, {"VERSION": "9.8.7"})
+    assert layers[0] == base_tar and len(layers) == 3  # the base and the two COPY --from layers
+    names = []
+    for layer in layers[1:]:
+        with tarfile.open(layer) as read:
+            names.append({name.removeprefix("./") for name in read.getnames()})
+    assert {"opt/app/proxy/pkg/app.py", "opt/app/pyproject.toml"} <= names[0]
+    assert "opt/app/proxy/notes.tmp" not in names[0]  # .dockerignore held for the builder's COPY
+    assert names[1] == {"etc", "etc/pyproject.toml"}
+    assert config["Labels"] == {"org.opencontainers.image.version": "9.8.7"}
+    assert not any(e.startswith("ONLY_IN_TESTED") for e in config["Env"]) and config["WorkingDir"] == "/"
+    # Cached: the same build again is the same image; a source the builder copies changes it.
+    assert build.build(context / "Dockerfile", context, {"VERSION": "9.8.7"})[2] == key
+    (context / "proxy" / "pkg" / "app.py").write_text("APP = 2\n")
+    changed, _, changed_key = build.build(context / "Dockerfile", context, {"VERSION": "9.8.7"})
+    assert changed_key != key and changed[1] != layers[1] and changed[2] != layers[2]
+    with tarfile.open(changed[1]) as read:
+        assert read.extractfile("opt/app/proxy/pkg/app.py").read() == b"APP = 2\n"
+    (context / "Dockerfile").write_text(MULTI_STAGE.replace("--from=0", "--from=nowhere"))
+    with pytest.raises(ValueError, match="no earlier stage"):
+        build.build(context / "Dockerfile", context)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import re
 import tarfile
 import tomllib
 from pathlib import Path
@@ -14,6 +15,7 @@ from rolloutfleet_testkit.controlplane.cluster import component_args
 from rolloutfleet_testkit.controlplane.pki import Pki
 from rolloutfleet_testkit.images import dockerfile
 from rolloutfleet_testkit.images.build import chain, ignored
+from rolloutfleet_testkit.images.catalog import image_name
 from rolloutfleet_testkit.images.oci import normalized, sha256_file, write_image_archive
 from rolloutfleet_testkit.node import config
 from rolloutfleet_testkit.node.binaries import coredns_main
@@ -192,6 +194,17 @@ def test_project_dockerfiles_build_from_a_public_base_and_product_images_hold_no
         assert test_kit == (name in ("testkit", "sglang-emulator")), name
         if name in ("proxy", "operator"):
             assert any(i.keyword == "USER" and i.text == "65532:65532" for i in parsed), name
+            # Multi-stage: the image is the last stage, which takes the built environment from the
+            # builder and installs nothing itself (no uv, pip or compilers reach the image).
+            froms = [n for n, i in enumerate(parsed) if i.keyword == "FROM"]
+            final = parsed[froms[-1] :]
+            assert len(froms) == 2 and dockerfile.stage_source(parsed[froms[0]].text)[1] == "builder", name
+            assert [i.flag("from") for i in final if i.keyword == "COPY"] == [["builder"]], name
+            assert not [
+                i.text for i in final if i.keyword == "RUN" and re.search(r"\b(uv|pip|gcc)\b", i.text)
+            ]
+            labels = dockerfile.key_values(next(i.text for i in final if i.keyword == "LABEL"))
+            assert labels["org.opencontainers.image.version"] == "${VERSION}", name
 
 
 def test_image_archive_layout_names_and_digests(tmp_path):
@@ -216,7 +229,7 @@ def test_image_archive_layout_names_and_digests(tmp_path):
 @pytest.mark.parametrize(
     ("name", "reference"),
     [
-        ("rolloutfleet-proxy:0.1.0", "docker.io/library/rolloutfleet-proxy:0.1.0"),
+        (image_name("proxy"), f"docker.io/library/{image_name('proxy')}"),
         ("lmsysorg/sglang", "docker.io/lmsysorg/sglang:latest"),
         ("rolloutfleet.local/pause:1", "rolloutfleet.local/pause:1"),
         ("localhost:5000/x:2", "localhost:5000/x:2"),

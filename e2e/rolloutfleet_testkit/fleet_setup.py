@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import yaml
 
+from rolloutfleet_testkit.images.catalog import image_name
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rolloutfleet-operator"
 CRDS = ROOT / "crds"
@@ -30,8 +32,9 @@ OPERATOR_IMAGE = "rolloutfleet-operator"  # images/operator, tagged with the cha
 # images/testkit: the real sglang-router and the test kit's stand-ins; images/sglang-emulator: the
 # SGLang emulator (a test stand-in for GPU SGLang servers) behind SGLang's command line. Built
 # locally like every image here.
-TESTKIT_IMAGE = "rolloutfleet-testkit:0.1.0"
-EMULATOR_IMAGE = "rolloutfleet-sglang-emulator:0.1.0"
+# Tagged with the project's version (pyproject.toml), as the images catalog names them.
+TESTKIT_IMAGE = image_name("testkit")
+EMULATOR_IMAGE = image_name("sglang-emulator")
 OPERATOR_LABEL = "app.kubernetes.io/name=rolloutfleet-operator"
 OPERATOR_METRICS_PORT = 8080  # the chart's metricsPort
 WEIGHTS_MOUNT = "/weights"  # where local_fleet's engines see weights_dir

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 from typing import Any
 
+from rolloutfleet_testkit.images.catalog import image_name
+
 ENGINE_PORT = 30000
 ROUTER_PORT = 30080
 PROXY_PORT = 8000
 ENGINE_LABELS = {"app.kubernetes.io/name": "sample-engine"}
 # images/sglang-emulator: the SGLang emulator behind SGLang's own command line (a test stand-in for
 # lmsysorg/sglang, which needs a GPU); images/testkit: the real sglang-router.
-EMULATOR_IMAGE = "rolloutfleet-sglang-emulator:0.1.0"
-TESTKIT_IMAGE = "rolloutfleet-testkit:0.1.0"
+# Tagged with the project's version (pyproject.toml), as the images catalog names them.
+EMULATOR_IMAGE = image_name("sglang-emulator")
+TESTKIT_IMAGE = image_name("testkit")
 
 
 def _http_probe(path: str, port: int) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rolloutfleet_testkit.images.catalog import build_image
+from rolloutfleet_testkit.images.catalog import build_image, version
 from rolloutfleet_testkit.images.oci import import_archive, imported_names, normalized, write_image_archive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # a cold build downloads the proxy's wheels
@@ -99,7 +99,7 @@ def run(address: str, image: str, *command: str) -> subprocess.CompletedProcess:
 
 def test_the_proxy_image_is_named_as_the_kubelet_asks_for_it(containerd, proxy_image):
     (name,) = proxy_image.names
-    assert name == "rolloutfleet-proxy:0.1.0"
+    assert name == f"rolloutfleet-proxy:{version()}"
     assert normalized(name) in imported_names(containerd)
 
 
@@ -118,11 +118,12 @@ def test_the_proxy_image_holds_no_test_kit(containerd, proxy_image):
     probe = (
         "import importlib.util as u, shutil; "
         "print(u.find_spec('rolloutfleet_proxy') is not None, u.find_spec('rolloutfleet_testkit') is None, "
-        "shutil.which('rolloutfleet-sglang-emulator') is None)"
+        "shutil.which('rolloutfleet-sglang-emulator') is None, shutil.which('uv') is None)"
     )
     found = run(containerd, image, "python", "-c", probe)
     assert found.returncode == 0, found.stderr
-    assert found.stdout.split() == ["True", "True", "True"]
+    # The builder stage's uv stays behind (images/proxy/Dockerfile is multi-stage).
+    assert found.stdout.split() == ["True", "True", "True", "True"]
     # And no file of it in the image's tree (a package, a console script, data files).
     kit = [path for path in image_tree(proxy_image.layers) if re.search(r"rolloutfleet_testkit|sglang", path)]
     assert not kit, kit[:5]

@@ -29,6 +29,9 @@ HELM_VERSION = "v3.22.0"
 # promtool checks and unit-tests the chart's PrometheusRule (tests/test_chart_monitoring.py).
 # Prometheus 3.x publishes its Go module as v0.3XX.Y: v0.316.0 is Prometheus 3.16.0.
 PROMTOOL_VERSION = "v0.316.0"
+# The OCI distribution registry (CNCF Distribution's `registry`) that tests push images to
+# (tests/test_image_push.py): a real registry on 127.0.0.1, no Docker.
+REGISTRY_VERSION = "v3.1.2"
 # kubelet and kube-proxy run the test cluster's nodes (rolloutfleet_testkit.node).
 KUBE_COMMANDS = (
     "kube-apiserver",
@@ -208,31 +211,50 @@ def build(bin_dir: Path, kubernetes: str = KUBERNETES_VERSION, helm: str = HELM_
     return bin_dir
 
 
-def promtool_path(version: str = PROMTOOL_VERSION) -> Path:
-    """The cached promtool of that Prometheus module version (its own directory: not a Kubernetes binary)."""
-    return cache_root() / f"promtool-{version}" / "bin" / "promtool"
+def go_tool_path(name: str, version: str) -> Path:
+    """Where a `go install`ed tool of that module version is cached (its own directory, not among
+    the Kubernetes binaries): `<cache>/controlplane/<name>-<version>/bin/<name>`."""
+    return cache_root() / f"{name}-{version}" / "bin" / name
 
 
-def ensure_promtool(version: str = PROMTOOL_VERSION) -> Path:
-    """promtool, built with `go install` from the Go module proxy on first use; returns its path."""
-    path = promtool_path(version)
+def ensure_go_tool(name: str, package: str, version: str, tags: str = "") -> Path:
+    """A tool built with `go install package@version` from the Go module proxy on first use and
+    cached per version; returns its path."""
+    path = go_tool_path(name, version)
     if path.exists():
         return path
     if shutil.which("go") is None:
-        raise RuntimeError("Go is needed to build promtool")
+        raise RuntimeError(f"Go is needed to build {name}")
     work = path.parent.parent / "src"
     work.mkdir(parents=True, exist_ok=True)
-    say(f"building promtool {version} into {path.parent} (first run only; a few minutes on 2 cores)")
-    package = f"github.com/prometheus/prometheus/cmd/promtool@{version}"
-    # remove_all_sd (Prometheus's own build tag) leaves the service-discovery plugins out: checking
-    # and testing rules needs none, and some pin module versions the Go proxy no longer serves (nomad).
+    say(f"building {name} {version} into {path.parent} (first run only; a few minutes on 2 cores)")
+    flags = ["-tags", tags] if tags else []
     go(
-        ["install", "-v", "-trimpath", "-tags", "remove_all_sd", "-ldflags", "-s -w", package],
+        ["install", "-v", "-trimpath", *flags, "-ldflags", "-s -w", f"{package}@{version}"],
         cwd=work,
-        progress_label="promtool",
+        progress_label=name,
         env={"GOBIN": str(path.parent)},
     )
     return path
+
+
+def promtool_path(version: str = PROMTOOL_VERSION) -> Path:
+    """The cached promtool of that Prometheus module version."""
+    return go_tool_path("promtool", version)
+
+
+def ensure_promtool(version: str = PROMTOOL_VERSION) -> Path:
+    """promtool, built from the Go module proxy on first use; returns its path."""
+    # remove_all_sd (Prometheus's own build tag) leaves the service-discovery plugins out: checking
+    # and testing rules needs none, and some pin module versions the Go proxy no longer serves (nomad).
+    return ensure_go_tool(
+        "promtool", "github.com/prometheus/prometheus/cmd/promtool", version, tags="remove_all_sd"
+    )
+
+
+def ensure_registry(version: str = REGISTRY_VERSION) -> Path:
+    """The OCI distribution registry (`registry serve CONFIG`), built on first use; returns its path."""
+    return ensure_go_tool("registry", "github.com/distribution/distribution/v3/cmd/registry", version)
 
 
 def binaries_dir() -> Path:

@@ -7,11 +7,14 @@ content of the files COPY brings in), so a change to the sources rebuilds only t
 first COPY of them: dependencies installed before it (torch is gigabytes) are built once. RUN runs
 in a chroot of the merged tree with /proc, /sys and /dev mounted and this machine's network;
 `RUN --mount=type=cache,target=…` binds a cache kept under the project's cache, as BuildKit does.
+Stages (`FROM … AS builder`) build one after the other; `COPY --from=builder` copies from an
+earlier stage's tree (its layers overlaid read-only), and the image is the last stage alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 import hashlib
 import json
@@ -27,7 +30,7 @@ from pathlib import Path, PurePosixPath
 
 from . import base as base_image
 from .cache import images_cache
-from .dockerfile import Instruction, cache_mounts, key_values, parse, substitute
+from .dockerfile import Instruction, cache_mounts, key_values, parse, stage_source, substitute
 
 ALWAYS_IGNORED = (".git", "**/__pycache__", "**/*.pyc", "**/.pytest_cache", "**/.ruff_cache", "**/*.egg-info")
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
@@ -57,6 +60,13 @@ class BuildState:
 
     def variables(self) -> dict[str, str]:
         return {**self.args, **self.env}
+
+    def next_stage(self) -> BuildState:
+        """A stage built `FROM` this one: its files, environment and config; not its ARGs (Docker
+        scopes an ARG to the stage that declares it)."""
+        return BuildState(
+            self.key, list(self.layers), dict(self.env), {}, self.workdir, copy.deepcopy(self.config)
+        )
 
 
 def ignore_patterns(context: Path) -> list[str]:
@@ -213,6 +223,45 @@ def copy_into(
             shutil.copy2(path, destination, follow_symlinks=False)
 
 
+@contextlib.contextmanager
+def stage_tree(layers: list[Path], scratch: Path) -> Iterator[Path]:
+    """An earlier stage's file tree, read-only: its one layer, or an overlay of its layers."""
+    if len(layers) == 1:
+        yield layers[0]
+        return
+    merged = scratch / "from"
+    merged.mkdir(parents=True, exist_ok=True)
+    lowerdir = ":".join(str(p) for p in reversed(layers))
+    subprocess.run(
+        ["mount", "-t", "overlay", "overlay", "-o", f"ro,lowerdir={lowerdir}", str(merged)], check=True
+    )
+    try:
+        yield merged
+    finally:
+        if subprocess.run(["umount", str(merged)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(merged)], check=False)
+
+
+def copy_from_tree(tree: Path, merged: Path, sources: list[str], dest: str, workdir: str) -> None:
+    """`COPY --from=stage SRC… DEST`: paths in the stage's tree (relative ones from its root, as
+    BuildKit reads them) into `merged`; a directory's contents go under DEST, symlinks stay links,
+    modes and times are kept (the stage's compiled .pyc files stay valid)."""
+    target = PurePosixPath(dest if dest.startswith("/") else f"{workdir}/{dest}")
+    to_directory = dest.endswith("/") or len(sources) > 1
+    for source in sources:
+        path = tree / source.lstrip("/")
+        parent, root = path.parent.resolve(), tree.resolve()
+        if (parent != root and root not in parent.parents) or not (path.exists() or path.is_symlink()):
+            raise ValueError(f"COPY --from: no {source} in the stage")
+        if path.is_dir() and not path.is_symlink():
+            shutil.copytree(path, merged / str(target).lstrip("/"), symlinks=True, dirs_exist_ok=True)
+            continue
+        inside = target / path.name if to_directory else target
+        destination = merged / str(inside).lstrip("/")
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, destination, follow_symlinks=False)
+
+
 def layer_tar(upper: Path, out: Path) -> Path:
     """An upper directory as an image layer: overlay's whiteouts (0/0 character devices) and opaque
     directories become the image format's `.wh.` entries."""
@@ -241,7 +290,9 @@ def build(
     instructions = parse(dockerfile.read_text())
     patterns = ignore_patterns(context)
     steps_dir = images_cache() / "layers"
-    state = BuildState(key="")
+    state: BuildState | None = None
+    stages: dict[str, BuildState] = {}  # earlier stages by name and by index ("0", "1", …)
+    finished = 0
     base_layer = None
     before_from: dict[str, str] = {}  # ARGs before FROM: seen by FROM, and after it only if declared again
     for instruction in instructions:
@@ -249,22 +300,30 @@ def build(
         if keyword == "ARG":
             for name, default in key_values(instruction.text).items():
                 value = (build_args or {}).get(name, default or before_from.get(name, ""))
-                if base_layer is None:
+                if state is None:
                     before_from[name] = value
                 else:
                     state.args[name] = value
                     state.key = chain(state.key, "ARG", name, value)  # RUNs below see it
             continue
         if keyword == "FROM":
-            name = substitute(instruction.text, before_from).split()[0]
-            if name not in base_image.STANDS_IN_FOR:
-                raise ValueError(f"FROM {name}: only {base_image.STANDS_IN_FOR} can be built here")
-            base_layer = base_image.base_layer()
-            state.key = chain("base", base_image.base_key())
-            state.layers = [base_image.base_rootfs()]
-            state.env = dict(kv.split("=", 1) for kv in base_image.ENV)
+            source, alias = stage_source(substitute(instruction.text, before_from))
+            if state is not None:
+                stages[str(finished)] = state
+                finished += 1
+            if source.lower() in stages:
+                state = stages[source.lower()].next_stage()
+            elif source.partition("@")[0] in base_image.STANDS_IN_FOR:  # a digest pin stands for it too
+                base_layer = base_image.base_layer()
+                state = BuildState(key=chain("base", base_image.base_key()))
+                state.layers = [base_image.base_rootfs()]
+                state.env = dict(kv.split("=", 1) for kv in base_image.ENV)
+            else:
+                raise ValueError(f"FROM {source}: only {base_image.STANDS_IN_FOR} or an earlier stage")
+            if alias is not None:
+                stages[alias] = state
             continue
-        if base_layer is None:
+        if state is None:
             raise ValueError(f"line {instruction.line}: {keyword} before FROM")
         if keyword == "ENV":
             state.env.update(
@@ -283,8 +342,10 @@ def build(
             labels = {k: substitute(v, state.variables()) for k, v in key_values(instruction.text).items()}
             state.config.setdefault("Labels", {}).update(labels)
         else:
-            _file_step(state, instruction, context, patterns, steps_dir)
+            _file_step(state, instruction, context, patterns, steps_dir, stages)
         state.key = chain(state.key, keyword, instruction.text, json.dumps(state.env, sort_keys=True))
+    if state is None:
+        raise ValueError(f"{dockerfile}: no FROM")
     state.config["Env"] = [f"{k}={v}" for k, v in state.env.items()]
     state.config["WorkingDir"] = state.workdir
     layers = [base_layer] + [upper.parent / "layer.tar" for upper in state.layers[1:]]
@@ -292,15 +353,27 @@ def build(
 
 
 def _file_step(
-    state: BuildState, instruction: Instruction, context: Path, patterns: list[str], steps_dir: Path
+    state: BuildState,
+    instruction: Instruction,
+    context: Path,
+    patterns: list[str],
+    steps_dir: Path,
+    stages: dict[str, BuildState],
 ) -> None:
     keyword = instruction.keyword
     files: list[Path] = []
     extra = ""
+    from_stage = None
     if keyword == "WORKDIR":
         path = substitute(instruction.text, state.variables())
         state.workdir = str(PurePosixPath(state.workdir) / path)
-    if keyword == "COPY":
+    if keyword == "COPY" and instruction.flag("from"):
+        name = instruction.flag("from")[0].lower()
+        if name not in stages:
+            raise ValueError(f"line {instruction.line}: COPY --from={name}: no earlier stage of that name")
+        from_stage = stages[name]
+        extra = from_stage.key  # the stage's key is its content's: the chain of what made it
+    elif keyword == "COPY":
         sources = substitute(instruction.text, state.variables()).split()[:-1]
         files = [f for source in sources for f in context_files(context, source, patterns)]
         extra = content_key(context, files)
@@ -317,6 +390,10 @@ def _file_step(
     with overlay(state.layers, upper, step / "scratch") as merged:
         if keyword == "WORKDIR":
             (merged / state.workdir.lstrip("/")).mkdir(parents=True, exist_ok=True)
+        elif from_stage is not None:
+            words = substitute(instruction.text, state.variables()).split()
+            with stage_tree(from_stage.layers, step / "scratch") as tree:
+                copy_from_tree(tree, merged, words[:-1], words[-1], state.workdir)
         elif keyword == "COPY":
             copy_into(merged, context, state, instruction, files)
         else:

@@ -1,5 +1,7 @@
 """The images the tests and the demo run, built from the project's Dockerfiles (images/) and
-imported into the nodes' containerd; tagged with the package's version, as users' images are."""
+imported into the nodes' containerd; tagged with the package's version, as users' images are.
+The product's images (PRODUCT_IMAGES) can be pushed to a registry as `<registry>/<name>:<version>`
+(`./dev images --push REGISTRY`, docs/release.md)."""
 
 from __future__ import annotations
 
@@ -10,19 +12,34 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+
+from rolloutfleet_testkit.version import project_version
+
 from .base import ENV as BASE_ENV
 from .base import STANDS_IN_FOR, base_key, base_layer, say
 from .build import build
 from .cache import images_cache
 from .oci import import_archive, normalized, write_image_archive
+from .registry import Blob, PushError, archive_blobs, image_blobs, push, target
 from .static import static_image
 
 ROOT = Path(__file__).resolve().parents[3]
 KEY_LABEL = "rolloutfleet.dev/build-key"
+# What users deploy (the chart's operator, the proxy it runs, the default gateway): pushed by
+# `--push`. The test kit's images are for tests only.
+PRODUCT_IMAGES = ("operator", "proxy", "sglang-router")
 
 
 def version() -> str:
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    """The project's one version (pyproject.toml): image tags, the chart's version and appVersion
+    (tests/test_chart.py keeps them equal), the proxy's __version__ (through the package metadata)."""
+    return project_version((ROOT / "pyproject.toml").read_text())
+
+
+def image_name(name: str) -> str:
+    """The local name of one of the Dockerfiles' images (`rolloutfleet-proxy:<version>`)."""
+    return dockerfile_images()[name][1][0]
 
 
 def pinned_version(package: str) -> str:
@@ -65,6 +82,12 @@ class Built:
     config: dict
     prebuilt: Path | None = None  # an archive kept as it is (the small static images)
 
+    def blobs(self) -> tuple[Blob, list[Blob]]:
+        """The config and the compressed layers, as a registry stores them."""
+        if self.prebuilt is not None:
+            return archive_blobs(self.prebuilt, images_cache() / "push" / self.prebuilt.stem)
+        return image_blobs(self.layers, self.config)
+
     def archive(self) -> Path:
         if self.prebuilt is not None:
             return self.prebuilt
@@ -93,7 +116,8 @@ def build_image(name: str) -> Built:
         )
         return Built(name, ["busybox:1.36"], path.stem, [], {}, prebuilt=path)
     dockerfile, names = dockerfile_images()[name]
-    layers, config, key = build(dockerfile, ROOT)
+    # The Dockerfiles label their images with VERSION (org.opencontainers.image.version).
+    layers, config, key = build(dockerfile, ROOT, {"VERSION": version()})
     return Built(name, names, key, layers, config)
 
 
@@ -152,6 +176,24 @@ def ensure_images(names, addresses: list[str]) -> dict[str, list[str]]:
     return found
 
 
+def push_images(names, registry: str, chunk_bytes: int | None = None) -> dict[str, list[str]]:
+    """Each image built (cached) and pushed under every one of its names to `registry` (e.g.
+    `ghcr.io/org`): image → the references pushed, `<registry>/<name>:<tag>@sha256:…`."""
+    pushed = {}
+    for name in names:
+        built = build_image(name)
+        config, layers = built.blobs()
+        labels = built.config.get("Labels", {})
+        annotations = {k: v for k, v in labels.items() if k.startswith("org.opencontainers.image.")}
+        extra = {} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}
+        pushed[name] = []
+        for tag in built.names:
+            where = target(registry, tag)
+            digest = push(config, layers, where, annotations, say=say, **extra)
+            pushed[name].append(f"{where.reference}@{digest}")
+    return pushed
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -165,12 +207,27 @@ def main(argv: list[str] | None = None) -> int:
         help=f"images to build (default: the Dockerfiles' images); any of {', '.join(all_images())}",
     )
     parser.add_argument("--import", dest="addresses", action="append", default=[], help="a containerd socket")
+    parser.add_argument(
+        "--push",
+        metavar="REGISTRY",
+        help="push as REGISTRY/<name>:<version> (default: the product's images "
+        f"{', '.join(PRODUCT_IMAGES)}); http://HOST:PORT for a registry without TLS",
+    )
     args = parser.parse_args(argv)
     names = args.names[1:] if args.names[:1] == ["build"] else args.names
     unknown = sorted(set(names) - set(all_images()))
     if unknown:
         parser.error(f"unknown images {unknown}; known: {', '.join(all_images())}")
     started = time.monotonic()
+    if args.push:
+        try:
+            pushed = push_images(names or list(PRODUCT_IMAGES), args.push)
+        except (PushError, httpx.HTTPError) as error:
+            parser.exit(1, f"push to {args.push} failed: {error}\n")
+        for name, references in pushed.items():
+            print(f"{name}: {' '.join(references)}")
+        say(f"done in {time.monotonic() - started:.1f}s")
+        return 0
     for name, tags in ensure_images(names or list(dockerfile_images()), args.addresses).items():
         print(f"{name}: {' '.join(tags)}")
     say(f"done in {time.monotonic() - started:.1f}s")

@@ -1,6 +1,6 @@
 """Reading a Dockerfile (pure): instructions with their flags, exec or shell form, and variable
 substitution, for the subset the project's Dockerfiles use (ARG, FROM, ENV, WORKDIR, COPY, RUN,
-USER, ENTRYPOINT, CMD, EXPOSE, LABEL)."""
+USER, ENTRYPOINT, CMD, EXPOSE, LABEL), with stages (`FROM … AS name`, `COPY --from=name`)."""
 
 from __future__ import annotations
 
@@ -78,6 +78,17 @@ def parse(text: str) -> list[Instruction]:
     if not any(i.keyword == "FROM" for i in instructions):
         raise DockerfileError("no FROM instruction")
     return instructions
+
+
+def stage_source(text: str) -> tuple[str, str | None]:
+    """`FROM image [AS name]` (after substitution): the image or earlier stage, and the stage's name
+    (lower-cased: Docker matches stage names without case)."""
+    words = text.split()
+    if len(words) == 1:
+        return words[0], None
+    if len(words) == 3 and words[1].upper() == "AS":
+        return words[0], words[2].lower()
+    raise DockerfileError(f"FROM {text}: expected `FROM image [AS name]`")
 
 
 _VARIABLE = re.compile(r"\$(?:\{(\w+)(?::([-+])([^}]*))?\}|(\w+))")
