@@ -329,6 +329,16 @@ def test_a_multi_stage_build_keeps_the_last_stage_only(tmp_path, monkeypatch):
     assert changed_key != key and changed[1] != layers[1] and changed[2] != layers[2]
     with tarfile.open(changed[1]) as read:
         assert read.extractfile("opt/app/proxy/pkg/app.py").read() == b"APP = 2\n"
+    # Pruning to the image's layers keeps the builder's steps too (the next build reuses them) and
+    # removes the first build's.
+    steps = tmp_path / "cache" / "layers"
+    before = set(steps.iterdir())
+    removed = build.prune_layers({layer.parent for layer in changed[1:]})
+    assert {layer.parent for layer in layers[1:]} <= set(removed)
+    kept = set(steps.iterdir())
+    assert kept == before - set(removed) and len(kept) == len(changed[1:]) + 3  # + WORKDIR and two COPYs
+    assert build.build(context / "Dockerfile", context, {"VERSION": "9.8.7"})[2] == changed_key
+    assert set(steps.iterdir()) == kept, "nothing was built again"
     (context / "Dockerfile").write_text(MULTI_STAGE.replace("--from=0", "--from=nowhere"))
     with pytest.raises(ValueError, match="no earlier stage"):
         build.build(context / "Dockerfile", context)

@@ -35,6 +35,7 @@ from .dockerfile import Instruction, cache_mounts, key_values, parse, stage_sour
 ALWAYS_IGNORED = (".git", "**/__pycache__", "**/*.pyc", "**/.pytest_cache", "**/.ruff_cache", "**/*.egg-info")
 DEFAULT_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME": "/root"}
 HOST_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+FROM_STEPS = "from-steps"  # in a COPY --from step: the steps of the stage it copied from
 # Downloads during RUN trust the bundle above (pip, requests, uv); not part of the image's config.
 BUILD_ENV = {
     "PIP_CERT": HOST_CA_BUNDLE,
@@ -394,6 +395,8 @@ def _file_step(
             words = substitute(instruction.text, state.variables()).split()
             with stage_tree(from_stage.layers, step / "scratch") as tree:
                 copy_from_tree(tree, merged, words[:-1], words[-1], state.workdir)
+            # The stage's steps are not the image's layers: named here so pruning keeps them.
+            (step / FROM_STEPS).write_text("".join(f"{upper.parent}\n" for upper in from_stage.layers[1:]))
         elif keyword == "COPY":
             copy_into(merged, context, state, instruction, files)
         else:
@@ -406,10 +409,17 @@ def _file_step(
 
 
 def prune_layers(keep: set[Path]) -> list[Path]:
-    """Remove the cached build steps not in `keep` (the step directories of the images built now):
-    a source change leaves the steps of the old build behind, gigabytes for an image with torch.
-    Returns what was removed."""
+    """Remove the cached build steps not in `keep` (the step directories of the images built now)
+    nor in the earlier stages those were copied from: a source change leaves the steps of the old
+    build behind, gigabytes for an image with torch. Returns what was removed."""
     steps_dir = images_cache() / "layers"
+    keep, pending = set(keep), list(keep)
+    while pending:  # and the earlier stages' steps a kept COPY --from step was made from
+        named = pending.pop() / FROM_STEPS
+        for step in map(Path, named.read_text().split() if named.exists() else ()):
+            if step not in keep:
+                keep.add(step)
+                pending.append(step)
     removed = []
     for step in sorted(steps_dir.iterdir()) if steps_dir.exists() else ():
         if step.is_dir() and step not in keep:
