@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+import rolloutfleet_proxy
 import yaml
-from rolloutfleet_operator.fleet import NetworkPolicySpec
+from rolloutfleet_operator.fleet import (
+    GATEWAY_IMAGE_ENV,
+    PROXY_IMAGE_ENV,
+    SGLANG_ROUTER_VERSION,
+    NetworkPolicySpec,
+    OperatorDefaults,
+    package_version,
+)
 from rolloutfleet_testkit.controlplane.build import binaries_dir
+from rolloutfleet_testkit.images.catalog import image_name
+from rolloutfleet_testkit.version import chart_versions, project_version, set_version
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "charts" / "rolloutfleet-operator"
@@ -151,3 +162,130 @@ def test_network_policy_and_gateway_image_values_reach_the_operators_environment
     off = next(doc for doc in render(helm) if doc["kind"] == "Deployment")
     names = {e["name"] for e in off["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "ROLLOUTFLEET_NETWORK_POLICY" not in names and "ROLLOUTFLEET_DEFAULT_GATEWAY_IMAGE" not in names
+
+
+# --- images, registry and the one version ------------------------------------------------------------
+
+
+def operator_pod(docs: list[dict]) -> dict:
+    return next(doc for doc in docs if doc["kind"] == "Deployment")["spec"]["template"]
+
+
+def operator_env(pod: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
+
+
+def test_one_version_the_package_the_chart_the_proxy_and_the_images():
+    version = project_version((ROOT / "pyproject.toml").read_text())
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert (chart["version"], chart["appVersion"]) == (version, version), "run ./dev version " + version
+    assert rolloutfleet_proxy.__version__ == package_version() == version  # the installed metadata
+    assert image_name("proxy") == f"rolloutfleet-proxy:{version}"
+    assert image_name("operator") == f"rolloutfleet-operator:{version}"
+
+
+def test_without_a_registry_the_images_are_local_names_of_this_version(helm):
+    pod = operator_pod(render(helm))
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert pod["spec"]["containers"][0]["image"] == f"rolloutfleet-operator:{version}"
+    env = operator_env(pod)
+    assert env[PROXY_IMAGE_ENV] == f"rolloutfleet-proxy:{version}" and GATEWAY_IMAGE_ENV not in env
+    # What the operator makes of that environment: the same as with none (its own fallbacks).
+    assert OperatorDefaults.from_environment(env, version) == OperatorDefaults.from_environment({}, version)
+
+
+def test_the_registry_and_tag_name_every_image(helm):
+    pod = operator_pod(render(helm, "image.registry=ghcr.io/acme/", "image.tag=2.0.0-rc.1"))
+    assert pod["spec"]["containers"][0]["image"] == "ghcr.io/acme/rolloutfleet-operator:2.0.0-rc.1"
+    defaults = OperatorDefaults.from_environment(operator_env(pod), "ignored")
+    assert defaults.proxy_image == "ghcr.io/acme/rolloutfleet-proxy:2.0.0-rc.1"
+    # The router image keeps the router's own version (the operator's default, tagged by it).
+    assert defaults.gateway_image == f"ghcr.io/acme/rolloutfleet-sglang-router:{SGLANG_ROUTER_VERSION}"
+    pinned = operator_pod(
+        render(helm, "image.registry=r.example", "fleetDefaults.proxyImage=r.example/proxy@sha256:ab")
+    )
+    assert operator_env(pinned)[PROXY_IMAGE_ENV] == "r.example/proxy@sha256:ab"
+
+
+def test_pod_values_are_rendered_not_dropped(helm):
+    default = operator_pod(render(helm))
+    for key in ("imagePullSecrets", "affinity", "priorityClassName"):
+        assert key not in default["spec"], key
+    assert "annotations" not in default["metadata"]
+    affinity = "affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[0]"
+    pod = operator_pod(
+        render(
+            helm,
+            "imagePullSecrets[0].name=regcred",
+            f"{affinity}.matchExpressions[0].key=pool",
+            f"{affinity}.matchExpressions[0].operator=Exists",
+            "priorityClassName=system-cluster-critical",
+            "podAnnotations.example\\.com/owner=rl",
+            "podLabels.team=rl",
+        )
+    )
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    terms = pod["spec"]["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    assert terms["nodeSelectorTerms"] == [{"matchExpressions": [{"key": "pool", "operator": "Exists"}]}]
+    assert pod["spec"]["priorityClassName"] == "system-cluster-critical"
+    assert pod["metadata"]["annotations"] == {"example.com/owner": "rl"}
+    assert pod["metadata"]["labels"]["team"] == "rl"
+    assert pod["metadata"]["labels"]["app.kubernetes.io/name"] == "rolloutfleet-operator"  # selector kept
+
+
+def test_a_version_bump_rewrites_the_version_lines_only(tmp_path):
+    pyproject, chart = tmp_path / "pyproject.toml", tmp_path / "Chart.yaml"
+    pyproject.write_text((ROOT / "pyproject.toml").read_text())
+    chart.write_text((CHART / "Chart.yaml").read_text())
+    set_version("1.4.0-rc.2", pyproject, chart)
+    assert project_version(pyproject.read_text()) == "1.4.0-rc.2"
+    assert chart_versions(chart.read_text()) == ("1.4.0-rc.2", "1.4.0-rc.2")
+    assert yaml.safe_load(chart.read_text())["appVersion"] == "1.4.0-rc.2"
+    # Nothing else moved: the dependency pins (also "version"-like lines) and the chart's other keys.
+    before = (ROOT / "pyproject.toml").read_text().splitlines()
+    changed = [
+        pair for pair in zip(before, pyproject.read_text().splitlines(), strict=True) if pair[0] != pair[1]
+    ]
+    assert len(changed) == 1 and changed[0][1] == 'version = "1.4.0-rc.2"'
+    assert (
+        yaml.safe_load(chart.read_text())["kubeVersion"]
+        == yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
+    )
+    for bad in ("1.4", "v1.4.0", "1.4.0+build.1"):  # not an image tag, or not SemVer
+        with pytest.raises(ValueError):
+            set_version(bad, pyproject, chart)
+
+
+def test_the_install_notes_name_instructions_that_exist(helm, tmp_path):
+    # helm template leaves NOTES.txt out: render it as a template of a copy of the chart.
+    copy = tmp_path / "chart"
+    shutil.copytree(CHART, copy)
+    body = (copy / "templates" / "NOTES.txt").read_text()
+    (copy / "templates" / "NOTES.txt").unlink()
+    (copy / "templates" / "notes.yaml").write_text(
+        '{{- define "notes" -}}\n' + body + '{{- end -}}\nnotes: {{ include "notes" . | toJson }}\n'
+    )
+
+    def notes(*values: str) -> str:
+        args = [
+            helm,
+            "template",
+            "n",
+            str(copy),
+            "--kube-version",
+            "1.35.4",
+            "--show-only",
+            "templates/notes.yaml",
+        ]
+        for value in values:
+            args += ["--set", value]
+        result = subprocess.run(args, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return yaml.safe_load(result.stdout)["notes"]
+
+    local, pushed = notes(), notes("image.registry=ghcr.io/acme")
+    named = set(re.findall(r"\b((?:operator/samples|docs)/[\w./-]+\.(?:yaml|md))", local))
+    assert {"operator/samples/minimal.yaml", "docs/release.md", "docs/deploying.md"} <= named
+    assert all((ROOT / path).exists() for path in named), named
+    assert "image.registry is empty" in local and "image.registry is empty" not in pushed
+    assert "ghcr.io/acme/rolloutfleet-proxy:" in pushed

@@ -377,8 +377,15 @@ def test_minimal_sample_defaults_reach_the_pod():
     assert env[ENV["dump_dir"]] == "/var/lib/rolloutfleet/dumps/minimal-proxy-0"
     assert env[ENV["upstream_url"]] == "http://minimal-gateway.rl.svc:30080"
     assert volume(pod, "/var/lib/rolloutfleet/dumps")["volume"] == {"name": "dumps", "emptyDir": {}}
-    # The tokenizer comes with the image: no tokenizer volume.
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["dumps", "tmp"]
+    # The proxy image holds no tokenizer: the sample mounts the model's claim, read-only, where the
+    # proxy loads it from.
+    tokenizer = volume(pod, "/models")
+    assert env[ENV["tokenizer_path"]] == "/models" and tokenizer["mount"]["readOnly"] is True
+    assert tokenizer["volume"] == {
+        "name": "tokenizer",
+        "persistentVolumeClaim": {"claimName": "model-weights", "readOnly": True},
+    }
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["tokenizer", "dumps", "tmp"]
     assert "resources" not in container(pod)
     assert pod["spec"]["terminationGracePeriodSeconds"] == 60
 

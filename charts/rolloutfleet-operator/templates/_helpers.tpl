@@ -67,3 +67,33 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- with .Values.networkPolicy.scrapeNamespaces }}{{ $_ := set $policy "scrapeNamespaces" . }}{{ end -}}
 {{- toJson $policy -}}
 {{- end -}}
+
+{{/* An image reference: `<registry>/<name>:<tag>`, or `<name>:<tag>` without a registry (a local image). */}}
+{{- define "rolloutfleet-operator.imageRef" -}}
+{{- $registry := trimSuffix "/" (.registry | default "") -}}
+{{- if $registry -}}{{ printf "%s/%s:%s" $registry .name .tag }}{{- else -}}{{ printf "%s:%s" .name .tag }}{{- end -}}
+{{- end -}}
+
+{{/* The tag of the project's images: image.tag, else the chart's appVersion (the package version). */}}
+{{- define "rolloutfleet-operator.tag" -}}{{ .Values.image.tag | default .Chart.AppVersion }}{{- end -}}
+
+{{/* The sglang-router release of the default gateway image (the operator's SGLANG_ROUTER_VERSION;
+tests/test_chart.py keeps them equal). */}}
+{{- define "rolloutfleet-operator.routerVersion" -}}0.3.2{{- end -}}
+
+{{- define "rolloutfleet-operator.operatorImage" -}}
+{{- include "rolloutfleet-operator.imageRef" (dict "registry" .Values.image.registry "name" .Values.image.repository "tag" (include "rolloutfleet-operator.tag" .)) -}}
+{{- end -}}
+
+{{/* ROLLOUTFLEET_DEFAULT_PROXY_IMAGE: the proxy of this release, from the same registry and tag. */}}
+{{- define "rolloutfleet-operator.proxyImage" -}}
+{{- .Values.fleetDefaults.proxyImage | default (include "rolloutfleet-operator.imageRef" (dict "registry" .Values.image.registry "name" "rolloutfleet-proxy" "tag" (include "rolloutfleet-operator.tag" .))) -}}
+{{- end -}}
+
+{{/* ROLLOUTFLEET_DEFAULT_GATEWAY_IMAGE: fleetDefaults.gatewayImage, else the router image under
+image.registry; empty (the operator's own default, a local name) with neither. */}}
+{{- define "rolloutfleet-operator.gatewayImage" -}}
+{{- if .Values.fleetDefaults.gatewayImage -}}{{ .Values.fleetDefaults.gatewayImage }}
+{{- else if .Values.image.registry -}}{{ include "rolloutfleet-operator.imageRef" (dict "registry" .Values.image.registry "name" "rolloutfleet-sglang-router" "tag" (include "rolloutfleet-operator.routerVersion" .)) }}
+{{- end -}}
+{{- end -}}
