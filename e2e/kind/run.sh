@@ -5,7 +5,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 NAME="${KIND_CLUSTER:-rolloutfleet-e2e}"
-VERSION="$(sed -n 's/^version = "\(.*\)"/\1/p' "$ROOT/pyproject.toml" | head -1)"
+VERSION="$("$ROOT/dev" version)"  # pyproject.toml, the one version source (docs/release.md)
 cd "$ROOT"
 kind create cluster --name "$NAME" --config e2e/kind/kind-config.yaml
 trap 'kind delete cluster --name "$NAME"' EXIT
@@ -17,7 +17,7 @@ kubectl patch "$GPU_NODE" --subresource=status --type=merge -p '{"status":{"capa
 # The product's images, the test kit's (stand-ins and the real sglang-router) and the SGLang
 # emulator's (a test stand-in for GPU SGLang servers, with torch).
 for image in proxy operator testkit sglang-emulator; do
-  DOCKER_BUILDKIT=1 docker build -f "images/$image/Dockerfile" -t "rolloutfleet-$image:$VERSION" .
+  DOCKER_BUILDKIT=1 docker build -f "images/$image/Dockerfile" --build-arg VERSION="$VERSION" -t "rolloutfleet-$image:$VERSION" .
 done
 docker pull busybox:1.36
 kind load docker-image --name "$NAME" "rolloutfleet-proxy:$VERSION" "rolloutfleet-operator:$VERSION" \
