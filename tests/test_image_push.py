@@ -151,8 +151,11 @@ def test_a_registry_with_basic_auth_takes_the_credentials_and_refuses_others(reg
 
 def test_registry_targets_challenges_and_docker_login_credentials(tmp_path):
     assert target("ghcr.io/acme", "rolloutfleet-proxy:1.2.3") == oci_registry.Target(
-        "https://ghcr.io", "acme/rolloutfleet-proxy", "1.2.3"
+        "https://ghcr.io", "acme/rolloutfleet-proxy", "1.2.3", "ghcr.io"
     )
+    hub = target("docker.io/acme", "rolloutfleet-proxy:1.2.3")
+    assert hub.base_url == "https://registry-1.docker.io"  # Docker Hub's API host
+    assert hub.reference == "docker.io/acme/rolloutfleet-proxy:1.2.3"
     local = target("http://127.0.0.1:5000/", "busybox")
     assert (local.base_url, local.repository, local.tag) == ("http://127.0.0.1:5000", "busybox", "latest")
     assert local.reference == "127.0.0.1:5000/busybox:latest"

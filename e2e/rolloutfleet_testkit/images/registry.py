@@ -68,18 +68,23 @@ class Blob:
                 yield chunk
 
 
+# Docker Hub's images are named docker.io/…, its API is served elsewhere.
+API_HOSTS = {"docker.io": "registry-1.docker.io", "index.docker.io": "registry-1.docker.io"}
+
+
 @dataclass(frozen=True)
 class Target:
-    """Where an image goes: `https://ghcr.io` + `org/rolloutfleet-proxy` + `1.2.3`."""
+    """Where an image goes: `https://ghcr.io` + `org/rolloutfleet-proxy` + `1.2.3`, and the
+    registry's name in image references (`ghcr.io`)."""
 
     base_url: str
     repository: str
     tag: str
+    host: str
 
     @property
     def reference(self) -> str:
-        host = self.base_url.split("://", 1)[1]
-        return f"{host}/{self.repository}:{self.tag}"
+        return f"{self.host}/{self.repository}:{self.tag}"
 
 
 def target(registry: str, name: str) -> Target:
@@ -90,7 +95,8 @@ def target(registry: str, name: str) -> Target:
     if not host or scheme not in ("", "http", "https"):
         raise ValueError(f"not a registry: {registry!r} (e.g. ghcr.io/org or http://127.0.0.1:5000)")
     repository, _, tag = name.rpartition(":") if ":" in name.rsplit("/", 1)[-1] else (name, "", "latest")
-    return Target(f"{scheme or 'https'}://{host}", f"{prefix}/{repository}" if prefix else repository, tag)
+    base_url = f"{scheme or 'https'}://{API_HOSTS.get(host, host)}"
+    return Target(base_url, f"{prefix}/{repository}" if prefix else repository, tag, host)
 
 
 def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
@@ -287,9 +293,10 @@ def push(
 ) -> str:
     """Push an image (its blobs, then its manifest) to `where`; returns the manifest's digest."""
     started = time.monotonic()
-    host = where.base_url.split("://", 1)[1]
     document = manifest(config, layers, annotations)
-    with Registry(where.base_url, auth if auth is not None else credentials(host), chunk_bytes) as registry:
+    with Registry(
+        where.base_url, auth if auth is not None else credentials(where.host), chunk_bytes
+    ) as registry:
         for blob in [*layers, config]:
             registry.push_blob(where.repository, blob)
         digest = registry.push_manifest(where.repository, where.tag, document)
