@@ -32,6 +32,8 @@ PROMTOOL_VERSION = "v0.316.0"
 # The OCI distribution registry (CNCF Distribution's `registry`) that tests push images to
 # (tests/test_image_push.py): a real registry on 127.0.0.1, no Docker.
 REGISTRY_VERSION = "v3.1.2"
+# kube-score lints what the chart renders and the children the operator builds (tests/test_manifest_lint.py).
+KUBE_SCORE_VERSION = "v1.20.0"
 # kubelet and kube-proxy run the test cluster's nodes (rolloutfleet_testkit.node).
 KUBE_COMMANDS = (
     "kube-apiserver",
@@ -255,6 +257,11 @@ def ensure_promtool(version: str = PROMTOOL_VERSION) -> Path:
 def ensure_registry(version: str = REGISTRY_VERSION) -> Path:
     """The OCI distribution registry (`registry serve CONFIG`), built on first use; returns its path."""
     return ensure_go_tool("registry", "github.com/distribution/distribution/v3/cmd/registry", version)
+
+
+def ensure_kube_score(version: str = KUBE_SCORE_VERSION) -> Path:
+    """kube-score, the Kubernetes manifest linter, built on first use; returns its path."""
+    return ensure_go_tool("kube-score", "github.com/zegl/kube-score/cmd/kube-score", version)
 
 
 def binaries_dir() -> Path:

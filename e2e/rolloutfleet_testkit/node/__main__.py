@@ -37,7 +37,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def prepare(images: list[str]) -> None:
-    from rolloutfleet_testkit.controlplane.build import ensure_binaries, ensure_promtool
+    from rolloutfleet_testkit.controlplane.build import ensure_binaries, ensure_kube_score, ensure_promtool
     from rolloutfleet_testkit.images.catalog import build_image
 
     from .binaries import ensure_node_binaries
@@ -47,6 +47,7 @@ def prepare(images: list[str]) -> None:
     ensure_binaries()
     ensure_node_binaries()
     ensure_promtool()
+    ensure_kube_score()
     built = [build_image(name) for name in images]
     if set(images) >= set(DEFAULT_IMAGES):
         # Every image the suite runs was just built: earlier builds' steps are garbage.
