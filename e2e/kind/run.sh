@@ -19,9 +19,13 @@ kubectl patch "$GPU_NODE" --subresource=status --type=merge -p '{"status":{"capa
 for image in proxy operator testkit sglang-emulator; do
   DOCKER_BUILDKIT=1 docker build -f "images/$image/Dockerfile" --build-arg VERSION="$VERSION" -t "rolloutfleet-$image:$VERSION" .
 done
+# The operator's default gateway image, tagged with the sglang-router release it holds.
+ROUTER_VERSION="$(sed -n 's/.*"sglang-router==\([^"]*\)".*/\1/p' pyproject.toml)"
+DOCKER_BUILDKIT=1 docker build -f images/sglang-router/Dockerfile -t "rolloutfleet-sglang-router:$ROUTER_VERSION" .
 docker pull busybox:1.36
 kind load docker-image --name "$NAME" "rolloutfleet-proxy:$VERSION" "rolloutfleet-operator:$VERSION" \
-  "rolloutfleet-testkit:$VERSION" "rolloutfleet-sglang-emulator:$VERSION" busybox:1.36
+  "rolloutfleet-testkit:$VERSION" "rolloutfleet-sglang-emulator:$VERSION" \
+  "rolloutfleet-sglang-router:$ROUTER_VERSION" busybox:1.36
 export KUBECONFIG="$(mktemp)"
 kind get kubeconfig --name "$NAME" > "$KUBECONFIG"
 # Servers the tests run on this host for pods (engine stand-ins) bind the kind network's gateway.
