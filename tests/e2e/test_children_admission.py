@@ -134,9 +134,11 @@ def test_pod_security_levels(cluster, enforcing, level, component, admitted):
     namespace = enforcing(level)
     fleet = sample_fleet("gpu", namespace)
     # The router's pod names its ServiceAccount, which must exist (a dry run persists nothing), and be
-    # in the admission plugin's cache, which follows the API by a moment.
-    account = json.dumps(manifests.gateway_service_account(fleet))
-    cluster.kubectl("apply", "-f", "-", input=account)
+    # in the admission plugin's cache, which follows the API by a moment. Without its ownerReference:
+    # the fleet it names does not exist, so the garbage collector would delete it at once.
+    account = manifests.gateway_service_account(fleet)
+    del account["metadata"]["ownerReferences"]
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(account))
     pod = COMPONENT_PODS[component](fleet)
 
     def admitted_or_refused():
