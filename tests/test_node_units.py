@@ -103,7 +103,9 @@ def test_mounts_below_the_root_only_deepest_first():
     ]
 
 
-def test_the_state_down_needs_survives_a_round_trip(tmp_path):
+def test_the_state_down_needs_survives_a_round_trip(tmp_path, monkeypatch):
+    # Never the machine's own record: the next real `up` would tear this made-up cluster down.
+    monkeypatch.setattr(node_cluster, "MACHINE_RECORD", tmp_path / "run" / "node-state.json")
     cluster = RealCluster(
         tmp_path,
         kubeconfig=str(tmp_path / "admin.kubeconfig"),
