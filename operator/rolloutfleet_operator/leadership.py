@@ -118,6 +118,11 @@ def try_to_lead(api: KubeApi, election: Election, now: datetime.datetime) -> boo
         raise
 
 
+class _ReusingServer(ThreadingHTTPServer):
+    # kopf binds the same port right after the standby closes it.
+    allow_reuse_address = True
+
+
 class StandbyHealth:
     """Answers the liveness and readiness probes (200 on any path) while this replica waits: a
     standby is healthy. Closed before kopf binds the same port for its own probe endpoint."""
@@ -134,8 +139,7 @@ class StandbyHealth:
             def log_message(self, *_: Any) -> None:
                 pass
 
-        ThreadingHTTPServer.allow_reuse_address = True
-        self.server = ThreadingHTTPServer((address, port), Handler)
+        self.server = _ReusingServer((address, port), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, name="standby-health", daemon=True)
         self.thread.start()
 
