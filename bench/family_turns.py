@@ -4,7 +4,7 @@ For each model family of the test kit (real vocabularies: Qwen's 151k ranks, Dee
 tokenizer.json) the proxy runs as its own process, from the proxy-only environment, with the
 family's SGLang tool-call and reasoning parsers, in front of a scripted SGLang stand-in that answers
 in the family's own output format (reasoning, tool calls, stop token). Sessions run the conversation
-of `tests/test_family_turns.py` (tools in every request, three tool calls answered by three tool
+of `tests/proxy/test_family_turns.py` (tools in every request, three tool calls answered by three tool
 results), N sessions with bounded concurrency; the proxy process's CPU seconds over the turns it
 served give CPU per turn. The same is measured with the test tokenizer (ChatML, 1,000 tokens) and
 plain replies without tools: the path before real templates.
@@ -49,7 +49,7 @@ from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import RuledReplies, UpstreamStub
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "proxy"))
 from test_family_turns import TOOLS, conversation
 
 PLAIN = "test-tokenizer"

@@ -36,7 +36,7 @@ from common import (
     sglang_router,
     weights_for_version,
 )
-from rolloutfleet_proxy.trainer_client import TrainerClient
+from rolloutfleet_client.trainer import TrainerClient
 
 
 def updater(

@@ -177,7 +177,7 @@ def export_and_ack(admin_key: str, outcomes: list[Outcome]) -> dict[str, Any]:
     """Export exactly this rollout's finished sessions from their owners and acknowledge the batches
     (synchronous: run it in a thread). A finished session its owner no longer has (it was replaced
     and could not restore it) is marked lost on its outcome, by name, never exported as nothing."""
-    from rolloutfleet_proxy.trainer_client import ProxyCallError, TrainerClient
+    from rolloutfleet_client.trainer import ProxyCallError, TrainerClient
 
     by_owner: dict[str, list[str]] = {}
     outcome_of = {o.session_id: o for o in outcomes if o.session_id}

@@ -6,8 +6,9 @@ fleet, so garbage collection removes it with the fleet. Proxy pods are built one
 names; everything else comes from `desired_children`. The admin-key Secret is built on its own
 (`admin_key_secret`): its value is random, so it is created once and never re-applied.
 
-Proxy settings reach the proxy as environment variables named by `rolloutfleet_proxy.settings.ENV`,
-the proxy's own table, so the operator and the proxy cannot disagree on a name.
+Proxy settings reach the proxy as environment variables named by the shared contract
+(`rolloutfleet_wire.proxy_settings`), which the proxy's settings model must satisfy, so the operator
+and the proxy cannot disagree on a name.
 
 Servers bind the wildcard address (`0.0.0.0`), as containers normally do: each pod has its own
 network namespace, and a wildcard bind also answers `kubectl port-forward` (which connects to the
@@ -21,7 +22,7 @@ import hashlib
 import json
 from typing import Any
 
-from rolloutfleet_proxy.settings import ENV
+from rolloutfleet_wire.proxy_settings import INJECTED_ENV as ENV
 
 from .fleet import (
     API_VERSION,

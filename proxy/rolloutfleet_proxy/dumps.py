@@ -15,7 +15,7 @@ A session file holds the tensors `input_ids` (int32), `loss_mask` (uint8), `logp
 version mid-turn), `turn_temperatures` (float32) and `turn_tempered` (uint8), and under the
 metadata key `rolloutfleet.session` a JSON object with the rest of the session. Any safetensors
 reader reads it; `load_session_file` turns it back into a `SessionRecord`. Batch files are in the
-export format (`export_format.py`).
+export format (`rolloutfleet_wire/export_format.py`).
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-from safetensors import safe_open
-from safetensors.numpy import save as safetensors_save
-
-from .ids import is_valid_session_id
-from .session import (
+from rolloutfleet_wire.session_record import (
     TURN_BOUND_FIELDS,
     UNKNOWN_TEMPERATURE,
     UNKNOWN_VERSION,
     VERSION_CHANGE_FIELDS,
     SessionRecord,
 )
+from safetensors import safe_open
+from safetensors.numpy import save as safetensors_save
+
+from .ids import is_valid_session_id
 
 FORMAT = "rolloutfleet.session"
 FORMAT_VERSION = 2  # 2: CRC-32 of every tensor in the header (`checksums`); 1 is still read

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import orjson
+from rolloutfleet_wire.errors import ErrorCode
 from starlette.responses import Response
 
-# Codes clients act on (the client package imports these rather than repeating the strings).
-STORAGE_UNAVAILABLE = "storage_unavailable"  # 503: the proxy cannot persist; nothing was recorded
-SESSION_LOST = "session_lost"  # 410: the session was journaled but could not be recovered after a restart
-REQUEST_BUDGET = "request_budget_exhausted"  # 503: too many request bytes in flight; retry after
+# Codes clients act on (shared with them through rolloutfleet_wire.errors).
+STORAGE_UNAVAILABLE = ErrorCode.STORAGE_UNAVAILABLE
+SESSION_LOST = ErrorCode.SESSION_LOST
+REQUEST_BUDGET = ErrorCode.REQUEST_BUDGET
 
 
 class ProxyError(Exception):

@@ -19,6 +19,8 @@ import logging
 import time
 from pathlib import Path
 
+from rolloutfleet_wire.export_format import decode_batch, encode_batch
+
 from .dumps import (
     EXPORTED_AREA,
     LIVE_EXPORTS_AREA,
@@ -29,7 +31,6 @@ from .dumps import (
 )
 from .errors import ProxyError
 from .export_buffer import ExportBatch, ExportBuffer, new_batch
-from .export_format import decode_batch, encode_batch
 from .generation import GenerationControl
 from .ids import new_batch_id
 from .session_log import SessionLog

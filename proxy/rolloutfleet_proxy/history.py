@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import orjson
+from rolloutfleet_wire.session_record import EMPTY_DIGEST
 
-EMPTY_DIGEST = b"\x00" * 32
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # Deep enough for any real tool arguments, shallow enough that serializing them cannot hit orjson's
 # recursion limit (which would be a 500).

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+from rolloutfleet_wire.session_record import UNKNOWN_TEMPERATURE
 
 from .dumps import (
     LIVE_AREA,
@@ -31,7 +32,7 @@ from .dumps import (
 from .ids import is_valid_session_id
 from .journal import journal_dir, list_segments
 from .journal_records import CREATE, END, FINISH, REWARD, TURN, Record, incarnation, scan
-from .session import UNKNOWN_TEMPERATURE, Session
+from .session import Session
 
 log = logging.getLogger("rolloutfleet.proxy.recovery")
 

@@ -3,51 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import bisect
 import math
 import time
 from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-from .history import EMPTY_DIGEST
-
-# Per-turn bounds: (first new input token, first output token, end of output) offsets into token_ids.
-TURN_BOUND_FIELDS = 3
-# The model version of a turn generated before versions were recorded (and of non-generated tokens).
-UNKNOWN_VERSION = -1
-# The temperature of a turn recorded before temperatures were.
-UNKNOWN_TEMPERATURE = float("nan")
-# version_changes holds (absolute token offset, version) pairs: from that offset to the end of its
-# turn (or the next change) the tokens were generated under that version. Only turns that span a
-# weight update have any, so the common case costs nothing per token.
-VERSION_CHANGE_FIELDS = 2
-
-
-@dataclass
-class SessionRecord:
-    """Everything persistent about a session; what dumps write and restores read."""
-
-    session_id: str
-    key_digest: bytes
-    created_at: float
-    metadata: dict[str, Any]
-    token_ids: array
-    loss_mask: array
-    logprobs: array
-    turn_bounds: array
-    turn_versions: array = field(default_factory=lambda: array("i"))  # model version per turn (its start)
-    version_changes: array = field(default_factory=lambda: array("i"))  # see VERSION_CHANGE_FIELDS
-    turn_temperatures: array = field(default_factory=lambda: array("f"))  # sampling temperature per turn
-    turn_tempered: array = field(default_factory=lambda: array("B"))  # 1: logprobs of logits / temperature
-    message_count: int = 0
-    history_digest: bytes = EMPTY_DIGEST
-    last_output_stopped: bool = False
-    last_stop_token: int | None = None
-    reward: float | None = None
-    turn_rewards: dict[int, float] = field(default_factory=dict)
-    finished: bool = False
+from rolloutfleet_wire.session_record import (
+    EMPTY_DIGEST,
+    TURN_BOUND_FIELDS,
+    UNKNOWN_TEMPERATURE,
+    UNKNOWN_VERSION,
+    SessionRecord,
+    token_versions,
+)
 
 
 class Session:
@@ -311,21 +281,3 @@ class Session:
             "turn_temperatures": [None if math.isnan(t) else t for t in self.turn_temperatures],
             "turn_tempered": [bool(t) for t in self.turn_tempered],
         }
-
-
-def token_versions(record: SessionRecord) -> array:
-    """The model version of every token: its turn's version on generated tokens, then any mid-turn
-    changes; UNKNOWN_VERSION on prompt tokens."""
-    versions = array("i", [UNKNOWN_VERSION]) * len(record.token_ids)
-    bounds = record.turn_bounds
-    for turn, version in enumerate(record.turn_versions):
-        _, output_start, end = bounds[turn * TURN_BOUND_FIELDS : (turn + 1) * TURN_BOUND_FIELDS]
-        versions[output_start:end] = array("i", [version]) * (end - output_start)
-    changes = record.version_changes
-    turn_ends = sorted(bounds[i + 2] for i in range(0, len(bounds), TURN_BOUND_FIELDS))
-    for i in range(0, len(changes), VERSION_CHANGE_FIELDS):
-        start, version = changes[i], changes[i + 1]
-        after = bisect.bisect_right(turn_ends, start)
-        end = turn_ends[after] if after < len(turn_ends) else len(versions)
-        versions[start:end] = array("i", [version]) * (end - start)
-    return versions

@@ -1,7 +1,7 @@
 """Proxy settings: the single source of truth for CLI flags and environment variables.
 
-The operator injects these settings into proxy pods; it takes the variable names from
-`env_var_name` / `ENV` here so the contract lives in one place.
+The operator injects some of these settings into proxy pods; which ones, and the variables' names,
+are the contract in rolloutfleet_wire.proxy_settings, which this model must satisfy.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-ENV_PREFIX = "ROLLOUTFLEET_PROXY_"
+from rolloutfleet_wire.proxy_settings import ENV_PREFIX, InjectedSetting
+from rolloutfleet_wire.proxy_settings import env_var_name as contract_env_var_name
 
 
 class ProxySettings(BaseSettings):
@@ -187,10 +187,14 @@ def env_var_name(field: str) -> str:
     """The environment variable that sets `field` (raises KeyError for unknown fields)."""
     if field not in ProxySettings.model_fields:
         raise KeyError(f"unknown proxy setting {field!r}")
-    return ENV_PREFIX + field.upper()
+    return contract_env_var_name(field)
 
 
 ENV: dict[str, str] = {field: env_var_name(field) for field in ProxySettings.model_fields}
+
+_uncontracted = sorted(set(InjectedSetting) - set(ProxySettings.model_fields))
+if _uncontracted:  # the operator would inject variables this proxy ignores (extra="forbid" refuses them)
+    raise ImportError(f"proxy settings lack the injected settings {_uncontracted}")
 
 
 def effective_settings(settings: ProxySettings) -> dict[str, object]:

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from rolloutfleet_wire.export_format import MEDIA_TYPE, batch_json
 from starlette.responses import Response
 
 from .errors import bad_request, unavailable
 from .export_buffer import ExportBatch
-from .export_format import MEDIA_TYPE, batch_json
 from .generation import MAX_MODEL_VERSION
 from .ids import SESSION_ID_RULE, is_valid_session_id
 from .openai_format import json_body

@@ -1,7 +1,7 @@
 """Everything the chart renders, in each of its modes, is accepted by a real API server (a server-side
 dry run: schemas, defaulting, admission), the CRD included; the monitoring objects need the
 Prometheus Operator's CRDs, which this cluster does not have, so they are checked by
-tests/test_chart_monitoring.py (helm template, promtool) instead."""
+tests/operator/test_chart_monitoring.py (helm template, promtool) instead."""
 
 from __future__ import annotations
 

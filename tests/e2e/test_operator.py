@@ -343,7 +343,7 @@ def test_operator_killed_mid_reconcile_converges_without_duplicates(cluster, ope
 
 def update_weights_mid_rollout(cluster, namespace, status, urls, key, engine, weights: Path) -> None:
     """Weights are written on this machine into `weights`, which the engine mounts (WEIGHTS_MOUNT)."""
-    from rolloutfleet_proxy.trainer_client import TrainerClient
+    from rolloutfleet_client.trainer import TrainerClient
     from rolloutfleet_testkit.sglang_emulator.server import write_weights
 
     engine_url = f"http://{engine['status']['podIP']}:30000"

@@ -36,7 +36,7 @@ import orjson
 from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
-from .session import TURN_BOUND_FIELDS, SessionRecord, token_versions
+from .session_record import TURN_BOUND_FIELDS, SessionRecord, token_versions
 
 FORMAT = "rolloutfleet.export"
 FORMAT_VERSION = 2

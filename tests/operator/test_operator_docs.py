@@ -31,7 +31,7 @@ from rolloutfleet_operator.manifests import HASH_EXEMPT_ENV, proxy_pod
 from rolloutfleet_operator.plan import ProxyPodView
 from rolloutfleet_testkit.crdgen import source_crd
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "operator.md"
 CHART = ROOT / "charts" / "rolloutfleet-operator"
 OPERATOR = ROOT / "operator" / "rolloutfleet_operator"

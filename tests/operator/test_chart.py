@@ -23,7 +23,7 @@ from rolloutfleet_testkit.controlplane.build import binaries_dir
 from rolloutfleet_testkit.images.catalog import image_name
 from rolloutfleet_testkit.version import chart_versions, project_version, set_version
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "rolloutfleet-operator"
 
 

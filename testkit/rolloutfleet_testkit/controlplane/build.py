@@ -26,13 +26,14 @@ from rolloutfleet_testkit.cache import project_cache
 
 KUBERNETES_VERSION = "v1.35.4"
 HELM_VERSION = "v3.22.0"
-# promtool checks and unit-tests the chart's PrometheusRule (tests/test_chart_monitoring.py).
+# promtool checks and unit-tests the chart's PrometheusRule (tests/operator/test_chart_monitoring.py).
 # Prometheus 3.x publishes its Go module as v0.3XX.Y: v0.316.0 is Prometheus 3.16.0.
 PROMTOOL_VERSION = "v0.316.0"
 # The OCI distribution registry (CNCF Distribution's `registry`) that tests push images to
-# (tests/test_image_push.py): a real registry on 127.0.0.1, no Docker.
+# (tests/testkit/test_image_push.py): a real registry on 127.0.0.1, no Docker.
 REGISTRY_VERSION = "v3.1.2"
-# kube-score lints what the chart renders and the children the operator builds (tests/test_manifest_lint.py).
+# kube-score lints what the chart renders and the children the operator builds
+# (tests/operator/test_manifest_lint.py).
 KUBE_SCORE_VERSION = "v1.20.0"
 # kubelet and kube-proxy run the test cluster's nodes (rolloutfleet_testkit.node).
 KUBE_COMMANDS = (

@@ -10,7 +10,7 @@ import httpx
 import pytest
 import torch
 from proxy_harness import ADMIN_KEY, play_session, running_proxy
-from rolloutfleet_proxy.trainer_client import ProxyCallError, TrainerClient, to_torch
+from rolloutfleet_client.trainer import ProxyCallError, TrainerClient, to_torch
 from rolloutfleet_testkit.processes import free_port, serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
 
@@ -116,8 +116,8 @@ def test_errors_are_raised_not_swallowed(fleet):
 def test_proxy_server_imports_neither_torch_nor_the_client():
     code = (
         "import sys, rolloutfleet_proxy.main, rolloutfleet_proxy.app; "
-        "print('torch' in sys.modules, 'rolloutfleet_proxy.trainer_client' in sys.modules); "
-        "import rolloutfleet_proxy.trainer_client; print('torch' in sys.modules)"
+        "print('torch' in sys.modules, 'rolloutfleet_client.trainer' in sys.modules); "
+        "import rolloutfleet_client.trainer; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False", "False"]

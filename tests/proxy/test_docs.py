@@ -11,8 +11,9 @@ import rolloutfleet_proxy
 from rolloutfleet_proxy.app import create_app
 from rolloutfleet_proxy.settings import ENV, ProxySettings
 from rolloutfleet_proxy.stats import StatsCollector
+from rolloutfleet_wire.errors import ErrorCode
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "proxy.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "proxy.md"
 
 
 @pytest.fixture(scope="module")
@@ -91,14 +92,9 @@ def test_every_error_code_is_documented(doc):
                 code = node.args[position]
                 if isinstance(code, ast.Constant) and isinstance(code.value, str):
                     codes.setdefault(code.value, path.name)
-    # The shared codes named as constants in errors.py (clients act on them).
-    for node in ast.parse((package / "errors.py").read_text(encoding="utf-8")).body:
-        if (
-            isinstance(node, ast.Assign)
-            and isinstance(node.value, ast.Constant)
-            and isinstance(node.value.value, str)
-        ):
-            codes.setdefault(node.value.value, "errors.py")
+    # The shared codes (clients act on them).
+    for code in ErrorCode:
+        codes.setdefault(code.value, "rolloutfleet_wire/errors.py")
     assert {"invalid_tools", "unknown_tool_call_id", "template_error", "session_lost"} <= set(codes)
     missing = sorted(f"{code} ({source})" for code, source in codes.items() if f"`{code}`" not in doc)
     assert not missing, f"error codes missing from {DOC.name}: {missing}"

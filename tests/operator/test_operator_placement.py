@@ -25,7 +25,7 @@ from rolloutfleet_operator.fleet import (
     parse_fleet,
 )
 
-SAMPLES = Path(__file__).resolve().parent.parent / "operator" / "samples"
+SAMPLES = Path(__file__).resolve().parents[2] / "operator" / "samples"
 PLACEMENT = {
     "nodeSelector": {"pool": "cpu"},
     "tolerations": [{"key": "pool", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"}],

@@ -26,11 +26,12 @@ from rolloutfleet_proxy.continuation import (
     logprobs_tempered,
     merge_segments,
 )
-from rolloutfleet_proxy.session import Session, token_versions
+from rolloutfleet_proxy.session import Session
 from rolloutfleet_proxy.upstream import Generation
 from rolloutfleet_testkit.asgi import lifespan, read_body, send_json
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.routed_engines import routed_emulators
+from rolloutfleet_wire.session_record import token_versions
 
 
 def generation(ids, finish="length", version="7", stop=None, text=None) -> Generation:
@@ -271,7 +272,7 @@ def test_a_dump_keeps_versions_inside_turns_and_temperatures(tmp_path):
 
 
 def test_an_export_carries_per_token_versions_and_how_logprobs_were_made():
-    from rolloutfleet_proxy.export_format import batch_json, decode_batch, encode_batch
+    from rolloutfleet_wire.export_format import batch_json, decode_batch, encode_batch
 
     record = _session_spanning_an_update().to_record()
     batch = decode_batch(encode_batch("batch-1", [record], 4))
@@ -285,7 +286,7 @@ def test_an_export_carries_per_token_versions_and_how_logprobs_were_made():
 
 def test_a_version_1_batch_still_decodes():
     import numpy as np
-    from rolloutfleet_proxy.export_format import FORMAT, decode_batch, encode_batch
+    from rolloutfleet_wire.export_format import FORMAT, decode_batch, encode_batch
     from safetensors.numpy import load, save
 
     data = encode_batch("batch-1", [_session_spanning_an_update().to_record()], 4)
@@ -327,7 +328,7 @@ def _play(proxy, sessions: list[tuple[str, str]], turns: int, errors: list) -> N
 @pytest.mark.router
 @pytest.mark.parametrize("mode", ["abort", "in_place"])
 def test_a_weight_update_mid_rollout_loses_no_token_and_records_versions(mode, test_tokenizer_dir, tmp_path):
-    from rolloutfleet_proxy.trainer_client import TrainerClient
+    from rolloutfleet_client.trainer import TrainerClient
     from rolloutfleet_testkit.sglang_emulator.model import load_model, score
     from rolloutfleet_testkit.sglang_emulator.server import write_weights
     from transformers import AutoTokenizer

@@ -38,7 +38,7 @@ from rolloutfleet_proxy.reasoning_parsers import REASONING_PARSER_NAMES
 from rolloutfleet_proxy.settings import ENV, ProxySettings, effective_settings, load_settings
 from rolloutfleet_proxy.tool_parsers import TOOL_CALL_PARSER_NAMES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml").read_text())
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SAMPLES = ROOT / "operator" / "samples"

@@ -184,6 +184,12 @@ def condition(status: dict[str, Any], kind: str) -> str | None:
     return next((c["status"] for c in status.get("conditions", []) if c["type"] == kind), None)
 
 
+def pod_ready(pod: dict[str, Any]) -> bool:
+    """The pod's Ready condition is True (as kubectl shows it; the kit reads the API, not the operator)."""
+    conditions = (pod.get("status") or {}).get("conditions") or ()
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
 def fleet_ready(status: dict[str, Any], replicas: int) -> bool:
     """`replicas` proxies ready and built from the current template, and the Ready condition True."""
     ok = status.get("readyReplicas") == replicas and status.get("updatedReplicas") == replicas

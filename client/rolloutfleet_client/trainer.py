@@ -1,6 +1,6 @@
 """Trainer-side client for a fleet of proxies: pull finished trajectories, make torch tensors, ack.
 
-    from rolloutfleet_proxy.trainer_client import TrainerClient, to_torch
+    from rolloutfleet_client.trainer import TrainerClient, to_torch
 
     with TrainerClient.from_fleet_status(fleet_status, admin_key) as fleet:
         batches = fleet.pull(256, timeout_s=30)      # up to 256 trajectories across the proxies
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
-from rolloutfleet_client.errors import proxy_error
-from rolloutfleet_client.retry import Backoff
+from rolloutfleet_wire.export_format import DecodedBatch, decode_batch
 
-from .export_format import DecodedBatch, decode_batch
+from .errors import proxy_error
+from .retry import Backoff
 
 if TYPE_CHECKING:
     import torch

@@ -17,7 +17,7 @@ import yaml
 from rolloutfleet_operator.fleet import MAX_FLEET_NAME_LENGTH
 from rolloutfleet_testkit import crdgen
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml"
 SAMPLES = ROOT / "operator" / "samples"
 SCHEMA_KEYWORDS = {

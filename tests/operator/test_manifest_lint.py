@@ -18,7 +18,7 @@ from rolloutfleet_operator.fleet import NETWORK_POLICY_ENV, OperatorDefaults, pa
 from rolloutfleet_testkit.controlplane.build import ensure_kube_score
 from test_chart import render_result
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CRITICAL = 1  # kube-score's grades: 1 critical, 5 warning, 7 almost OK, 10 OK
 
 # (component, kube-score check) → why it is accepted. Component "*" is every workload.

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from proxy_harness import ADMIN, ADMIN_KEY, play_session, running_proxy
 from rolloutfleet_proxy.dumps import EXPORTED_AREA, LIVE_EXPORTS_AREA
-from rolloutfleet_proxy.export_format import MEDIA_TYPE, decode_batch
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import TOKEN_LOGPROB
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
+from rolloutfleet_wire.export_format import MEDIA_TYPE, decode_batch
 
 OUTPUT_TOKENS = 3
 

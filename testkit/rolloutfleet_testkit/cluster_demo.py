@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from rolloutfleet_operator.plan import is_ready
 
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.cache import project_cache
@@ -268,8 +267,9 @@ def repair(clock: Clock, kubectl: Kubectl, urls: dict[str, str], key: str) -> No
         elif not replaced:
             state = "terminating (draining, dumping its sessions)"
         else:
-            state = f"replacement {pod.get('status', {}).get('phase', 'Pending')}, ready={is_ready(pod)}"
-        done = replaced and is_ready(pod) and fleet_setup.fleet_ready(status, PROXIES)
+            phase = pod.get("status", {}).get("phase", "Pending")
+            state = f"replacement {phase}, ready={fleet_setup.pod_ready(pod)}"
+        done = replaced and fleet_setup.pod_ready(pod) and fleet_setup.fleet_ready(status, PROXIES)
         return done, f"{name}: {state}; {status_line(status, PROXIES)}"
 
     wait_until(clock, f"{name} to come back", probe, REPAIR_TIMEOUT_S)
@@ -301,7 +301,7 @@ def proxy_rss(url: str) -> int:
 def guarded_proxy(kubectl: Kubectl) -> tuple[dict[str, Any] | None, str | None]:
     pods = kubectl.json("pods", "-l", fleet_setup.component_selector(MEMORY_FLEET, "proxy"))["items"]
     pod = next((p for p in pods if p["metadata"]["name"] == MEMORY_PROXY), None)
-    ready = pod is not None and is_ready(pod) and not pod["metadata"].get("deletionTimestamp")
+    ready = pod is not None and fleet_setup.pod_ready(pod) and not pod["metadata"].get("deletionTimestamp")
     return pod, (f"http://{pod['status']['podIP']}:{fleet_setup.PROXY_PORT}" if ready else None)
 
 

@@ -33,7 +33,8 @@ PRODUCT_IMAGES = ("operator", "proxy", "sglang-router")
 
 def version() -> str:
     """The project's one version (pyproject.toml): image tags, the chart's version and appVersion
-    (tests/test_chart.py keeps them equal), the proxy's __version__ (through the package metadata)."""
+    (tests/operator/test_chart.py keeps them equal), the proxy's __version__ (through the package
+    metadata)."""
     return project_version((ROOT / "pyproject.toml").read_text())
 
 

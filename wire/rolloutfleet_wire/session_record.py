@@ -1,0 +1,67 @@
+"""A session's persistent record: what dumps and the journal hold, what exports are made of.
+
+Shared by the proxy (which records it) and the trainer's client (which reads exports of it).
+"""
+
+from __future__ import annotations
+
+import bisect
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+# The digest of an empty message history (a session before its first turn).
+EMPTY_DIGEST = b"\x00" * 32
+# Per-turn bounds: (first new input token, first output token, end of output) offsets into token_ids.
+TURN_BOUND_FIELDS = 3
+# The model version of a turn generated before versions were recorded (and of non-generated tokens).
+UNKNOWN_VERSION = -1
+# The temperature of a turn recorded before temperatures were.
+UNKNOWN_TEMPERATURE = float("nan")
+# version_changes holds (absolute token offset, version) pairs: from that offset to the end of its
+# turn (or the next change) the tokens were generated under that version. Only turns that span a
+# weight update have any, so the common case costs nothing per token.
+VERSION_CHANGE_FIELDS = 2
+
+
+@dataclass
+class SessionRecord:
+    """Everything persistent about a session; what dumps write and restores read."""
+
+    session_id: str
+    key_digest: bytes
+    created_at: float
+    metadata: dict[str, Any]
+    token_ids: array
+    loss_mask: array
+    logprobs: array
+    turn_bounds: array
+    turn_versions: array = field(default_factory=lambda: array("i"))  # model version per turn (its start)
+    version_changes: array = field(default_factory=lambda: array("i"))  # see VERSION_CHANGE_FIELDS
+    turn_temperatures: array = field(default_factory=lambda: array("f"))  # sampling temperature per turn
+    turn_tempered: array = field(default_factory=lambda: array("B"))  # 1: logprobs of logits / temperature
+    message_count: int = 0
+    history_digest: bytes = EMPTY_DIGEST
+    last_output_stopped: bool = False
+    last_stop_token: int | None = None
+    reward: float | None = None
+    turn_rewards: dict[int, float] = field(default_factory=dict)
+    finished: bool = False
+
+
+def token_versions(record: SessionRecord) -> array:
+    """The model version of every token: its turn's version on generated tokens, then any mid-turn
+    changes; UNKNOWN_VERSION on prompt tokens."""
+    versions = array("i", [UNKNOWN_VERSION]) * len(record.token_ids)
+    bounds = record.turn_bounds
+    for turn, version in enumerate(record.turn_versions):
+        _, output_start, end = bounds[turn * TURN_BOUND_FIELDS : (turn + 1) * TURN_BOUND_FIELDS]
+        versions[output_start:end] = array("i", [version]) * (end - output_start)
+    changes = record.version_changes
+    turn_ends = sorted(bounds[i + 2] for i in range(0, len(bounds), TURN_BOUND_FIELDS))
+    for i in range(0, len(changes), VERSION_CHANGE_FIELDS):
+        start, version = changes[i], changes[i + 1]
+        after = bisect.bisect_right(turn_ends, start)
+        end = turn_ends[after] if after < len(turn_ends) else len(versions)
+        versions[start:end] = array("i", [version]) * (end - start)
+    return versions
