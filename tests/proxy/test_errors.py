@@ -39,7 +39,11 @@ def test_domain_failures_keep_their_messages():
 def test_session_busy_is_one_error_with_or_without_retry_after():
     assert session_busy("s-00000001", "has a turn in flight").headers == {}
     written = http_error(failures.SessionBeingWritten("s-00000001"))
-    assert (written.status, written.code, written.headers) == (409, ErrorCode.SESSION_BUSY, {"Retry-After": "1"})
+    assert (written.status, written.code, written.headers) == (
+        409,
+        ErrorCode.SESSION_BUSY,
+        {"Retry-After": "1"},
+    )
 
 
 def test_retry_later_codes_are_members_with_their_wire_values():

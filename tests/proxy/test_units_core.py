@@ -9,7 +9,13 @@ import orjson
 import pytest
 from pydantic import ValidationError
 from rolloutfleet_proxy.errors import ProxyError, http_error
-from rolloutfleet_proxy.failures import Failure, SessionBeingWritten, SessionEnded, SessionExists, UnknownSession
+from rolloutfleet_proxy.failures import (
+    Failure,
+    SessionBeingWritten,
+    SessionEnded,
+    SessionExists,
+    UnknownSession,
+)
 from rolloutfleet_proxy.heap import HeapTrimmer, resolve_malloc_trim
 from rolloutfleet_proxy.history import EMPTY_DIGEST, InvalidMessage, canonical_message, extend_digest
 from rolloutfleet_proxy.ids import is_valid_session_id, key_digest, key_matches, new_session_id
