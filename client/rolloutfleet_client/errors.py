@@ -1,18 +1,30 @@
-"""The errors `FleetClient` raises. Every error about a session names it and its owner."""
+"""The errors `FleetClient` and the trainer client raise. Every error about a session names it and
+its owner."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Any
+
+from rolloutfleet_wire.errors import ErrorCode
+
+
+class NoAnswerCode(StrEnum):
+    """The code of a `ProxyRequestError` without an answer (status None): made here, not by a proxy."""
+
+    TRANSPORT_ERROR = "transport_error"  # FleetClient: a transport failure not worth retrying
+    UNREACHABLE = "unreachable"  # TrainerClient: no answer, and no retries left
 
 
 def proxy_error(response: Any) -> tuple[str, str]:
     """(code, message) of a proxy's error answer (`{"error": {"code", "message"}}`, an httpx
-    response); something readable for anything else. The trainer client uses it too."""
+    response); `http_error` and something readable for anything else. The code is a plain string:
+    compare it with `ErrorCode` members (a newer proxy may send one this client does not know)."""
     try:
         error = response.json()["error"]
-        return str(error.get("code") or "http_error"), str(error.get("message") or "")
+        return str(error.get("code") or ErrorCode.HTTP_ERROR), str(error.get("message") or "")
     except Exception:
-        return "http_error", response.text[:300]
+        return ErrorCode.HTTP_ERROR.value, response.text[:300]
 
 
 class FleetClientError(RuntimeError):
@@ -21,7 +33,8 @@ class FleetClientError(RuntimeError):
 
 class ProxyRequestError(FleetClientError):
     """A proxy refused a request with an answer that retrying will not fix (409 `history_mismatch`,
-    400 `invalid_parameter`, 401, ...). `message` is the proxy's own."""
+    400 `invalid_parameter`, 401, ...), or retries ran out. `message` is the proxy's own; `status`
+    is None when no answer came (`code` is then a `NoAnswerCode`). Both clients raise it."""
 
     def __init__(
         self, url: str, status: int | None, code: str, message: str, session_id: str | None = None

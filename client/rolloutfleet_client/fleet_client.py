@@ -51,8 +51,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from rolloutfleet_wire.errors import ErrorCode
 
 from .errors import (
+    NoAnswerCode,
     NoProxyAvailable,
     OwnerUnavailable,
     ProxyRequestError,
@@ -66,7 +68,6 @@ from .placement import LEAST_LOADED, POLICIES, choose_endpoint
 from .retry import (
     DELETE,
     READ,
-    SESSION_LOST_CODE,
     TURN,
     WRITE,
     Action,
@@ -256,7 +257,7 @@ class FleetClient:
         except httpx.TransportError as exc:
             verdict = classify_exception(exc, creating=True)
             if verdict.action is Action.FATAL:
-                raise ProxyRequestError(url, None, "transport_error", verdict.reason) from exc
+                raise ProxyRequestError(url, None, NoAnswerCode.TRANSPORT_ERROR, verdict.reason) from exc
             if verdict.maybe_handled:
                 log.warning(
                     "creating a session at %s: %s; if the proxy created it, it stays unused "
@@ -368,7 +369,9 @@ class FleetClient:
             except httpx.TransportError as exc:
                 verdict = classify_exception(exc)
                 if verdict.action is Action.FATAL:
-                    raise ProxyRequestError(url, None, "transport_error", verdict.reason, sid) from exc
+                    raise ProxyRequestError(
+                        url, None, NoAnswerCode.TRANSPORT_ERROR, verdict.reason, sid
+                    ) from exc
                 maybe_handled = maybe_handled or verdict.maybe_handled
             else:
                 code, message = ("", "") if response.is_success else proxy_error(response)
@@ -392,7 +395,7 @@ class FleetClient:
                 elif verdict.action is Action.FATAL:
                     if response.status_code == 410:
                         self._release(session)
-                        if code == SESSION_LOST_CODE:  # journaled, but its owner could not rebuild it
+                        if code == ErrorCode.SESSION_LOST:  # journaled, but its owner could not rebuild it
                             raise SessionLost(sid, owner, f"410 {code}: {message}")
                         raise SessionEnded(sid, owner, code, message)
                     raise ProxyRequestError(url, response.status_code, code, message, sid)

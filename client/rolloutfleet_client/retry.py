@@ -51,10 +51,7 @@ import enum
 from dataclasses import dataclass
 
 import httpx
-
-# The proxy's code for a session its restart could not rebuild (rolloutfleet_proxy.errors.SESSION_LOST;
-# one shared vocabulary for both packages is issue #16).
-SESSION_LOST_CODE = "session_lost"
+from rolloutfleet_wire.errors import RETRY_LATER, ErrorCode
 
 
 class Action(enum.Enum):
@@ -97,22 +94,28 @@ def classify_exception(exc: BaseException, *, creating: bool = False) -> Verdict
 TURN, READ, WRITE, DELETE = "turn", "read", "write", "delete"  # kinds of session calls
 
 
+def nothing_done(status: int, code: str) -> bool:
+    """The proxy did nothing, and the same request can succeed later: a code it sends for that, or
+    a 502/503 from whatever stands in front of it (a balancer's answer carries no proxy code)."""
+    return code in RETRY_LATER or status in (502, 503)
+
+
 def classify_session_answer(status: int, code: str, *, call: str, maybe_handled: bool = False) -> Verdict:
     """Verdict for an answer to a session call of kind `call` (TURN, READ, WRITE or DELETE).
     `maybe_handled`: an earlier attempt of this same call may have been acted on."""
     if 200 <= status < 300:
         return Verdict(Action.OK, "ok")
-    if status in (502, 503):
+    if nothing_done(status, code):
         return Verdict(Action.WAIT, f"{status} {code}")
     if status == 404:
         if maybe_handled and call == DELETE:
             return Verdict(Action.OK, "deleted by an earlier attempt")
         return Verdict(Action.CHECK_READY, f"404 {code}")
     if maybe_handled and call == TURN:
-        if status == 409 and code == "session_busy":
-            return Verdict(Action.WAIT, "409 session_busy: the earlier attempt is still running")
-        if status == 400 and code == "no_new_messages":
-            return Verdict(Action.TURN_RECORDED, "400 no_new_messages after a lost answer")
+        if status == 409 and code == ErrorCode.SESSION_BUSY:
+            return Verdict(Action.WAIT, f"409 {code}: the earlier attempt is still running")
+        if status == 400 and code == ErrorCode.NO_NEW_MESSAGES:
+            return Verdict(Action.TURN_RECORDED, f"400 {code} after a lost answer")
     return Verdict(Action.FATAL, f"{status} {code}")
 
 
@@ -120,7 +123,7 @@ def classify_create_answer(status: int, code: str) -> Verdict:
     """Verdict for an answer to `POST /v1/sessions` at one endpoint."""
     if 200 <= status < 300:
         return Verdict(Action.OK, "ok")
-    if status == 429 or status in (502, 503):
+    if status == 429 or nothing_done(status, code):  # 429: over_capacity
         return Verdict(Action.OTHER_PROXY, f"{status} {code}")
     return Verdict(Action.FATAL, f"{status} {code}")
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .calculator import CALCULATOR_TOOL, run_tool_call
-from .errors import FleetClientError
+from .errors import FleetClientError, ProxyRequestError
 from .fleet_client import FleetClient
 from .placement import POLICIES
 
@@ -177,7 +177,7 @@ def export_and_ack(admin_key: str, outcomes: list[Outcome]) -> dict[str, Any]:
     """Export exactly this rollout's finished sessions from their owners and acknowledge the batches
     (synchronous: run it in a thread). A finished session its owner no longer has (it was replaced
     and could not restore it) is marked lost on its outcome, by name, never exported as nothing."""
-    from rolloutfleet_client.trainer import ProxyCallError, TrainerClient
+    from rolloutfleet_client.trainer import TrainerClient
 
     by_owner: dict[str, list[str]] = {}
     outcome_of = {o.session_id: o for o in outcomes if o.session_id}
@@ -189,7 +189,7 @@ def export_and_ack(admin_key: str, outcomes: list[Outcome]) -> dict[str, Any]:
         try:
             batch = trainer.export_from(owner, session_ids=ids)
             return [batch] if batch is not None else []
-        except ProxyCallError as error:
+        except ProxyRequestError as error:
             if error.status not in (404, 410):
                 raise
         if len(ids) == 1:  # this one is not on its owner any more

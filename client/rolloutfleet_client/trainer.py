@@ -27,18 +27,16 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import numpy as np
+from rolloutfleet_wire.errors import ErrorCode
 from rolloutfleet_wire.export_format import DecodedBatch, decode_batch
 
-from .errors import proxy_error
+from .errors import NoAnswerCode, ProxyRequestError, proxy_error
 from .retry import Backoff
 
 if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("rolloutfleet.trainer_client")
-
-ALREADY_ACKNOWLEDGED = "batch_already_acknowledged"
-
 
 # SGLang's /pause_generation modes: abort running requests (they answer with their partial tokens,
 # which the proxies continue after the resume), retract them to the waiting queue, or hold them in
@@ -55,12 +53,8 @@ class EngineCallError(RuntimeError):
         self.url, self.status, self.message = url, status, message
 
 
-class ProxyCallError(RuntimeError):
-    """A proxy answered with an error that retrying will not fix (or retries ran out)."""
-
-    def __init__(self, url: str, status: int | None, code: str, message: str):
-        super().__init__(f"{url}: {status} {code}: {message}")
-        self.url, self.status, self.code, self.message = url, status, code, message
+# The name this client's error had before both clients shared one (docs/proxy.md names it).
+ProxyCallError = ProxyRequestError
 
 
 @dataclass
@@ -170,7 +164,9 @@ class TrainerClient:
             except httpx.TransportError as exc:
                 # Not sent at all: always safe to retry. Sent but unanswered: only if repeatable.
                 if last or not (repeatable or isinstance(exc, httpx.ConnectError)):
-                    raise ProxyCallError(url, None, "unreachable", f"{type(exc).__name__}: {exc}") from exc
+                    raise ProxyRequestError(
+                        url, None, NoAnswerCode.UNREACHABLE, f"{type(exc).__name__}: {exc}"
+                    ) from exc
             else:
                 if response.status_code != 503 or last:
                     return response
@@ -180,7 +176,7 @@ class TrainerClient:
     def _checked(self, response: httpx.Response, *ok: int) -> httpx.Response:
         if response.status_code not in ok:
             code, message = proxy_error(response)
-            raise ProxyCallError(str(response.request.url), response.status_code, code, message)
+            raise ProxyRequestError(str(response.request.url), response.status_code, code, message)
         return response
 
     def _each(self, call: Callable[[str], Any]) -> dict[str, Any]:
@@ -228,7 +224,7 @@ class TrainerClient:
                 try:
                     # No retries within a round: an unavailable proxy must not hold up the others.
                     batch = self.export_from(url, max_trajectories=missing, retries=0)
-                except ProxyCallError as exc:
+                except ProxyRequestError as exc:
                     if exc.status not in (None, 503):
                         raise
                     log.warning("skipping proxy %s this round: %s", url, exc)
@@ -260,7 +256,10 @@ class TrainerClient:
         results = {}
         for batch in batches:
             response = self._call("POST", f"{batch.proxy_url}/v1/exports/{batch.batch_id}/ack")
-            if response.status_code == 410 and proxy_error(response)[0] == ALREADY_ACKNOWLEDGED:
+            if (
+                response.status_code == 410
+                and proxy_error(response)[0] == ErrorCode.BATCH_ALREADY_ACKNOWLEDGED
+            ):
                 results[batch.batch_id] = False
                 continue
             self._checked(response, 200)
@@ -423,4 +422,12 @@ def to_torch(
     return tensors
 
 
-__all__ = ["PAUSE_MODES", "EngineCallError", "ProxyCallError", "PulledBatch", "TrainerClient", "to_torch"]
+__all__ = [
+    "PAUSE_MODES",
+    "EngineCallError",
+    "ProxyCallError",
+    "ProxyRequestError",
+    "PulledBatch",
+    "TrainerClient",
+    "to_torch",
+]

@@ -12,21 +12,26 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from rolloutfleet_wire.errors import ErrorCode
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
 from .admission import CONCURRENCY_RETRY_AFTER_S, STALENESS_RETRY_AFTER_S, limiting_bound
 from .errors import (
-    REQUEST_BUDGET,
-    STORAGE_UNAVAILABLE,
     ProxyError,
     bad_request,
+    draining,
     error_response,
+    failure_handler,
+    invalid_session_id,
+    not_a_json_object,
+    session_busy,
+    too_many,
     unauthorized,
     unavailable,
 )
+from .failures import Failure
 from .ids import (
-    SESSION_ID_RULE,
     is_valid_new_session_id,
     is_valid_session_id,
     key_digest,
@@ -94,11 +99,9 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         if key is None:
             raise unauthorized()
         if not is_valid_session_id(session_id):
-            raise bad_request("invalid_session_id", f"session ids are {SESSION_ID_RULE}")
+            raise invalid_session_id()
         if runtime.gauges.draining:  # before the lookup: drained sessions are no longer in the store
-            raise unavailable(
-                "draining", "the proxy is shutting down; its sessions continue on its replacement", 2
-            )
+            raise draining("the proxy is shutting down; its sessions continue on its replacement")
         session = runtime.store.get(session_id)
         if not (key_matches(key, session.key_digest) or is_admin(key)):
             raise unauthorized("the key does not belong to this session")
@@ -112,27 +115,35 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
     async def _proxy_error(_request: Request, exc: ProxyError) -> Response:
         return exc.to_response()
 
+    app.add_exception_handler(Failure, failure_handler)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_request: Request, exc: RequestValidationError) -> Response:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        return error_response(400, "invalid_parameter", problems)
+        return error_response(400, ErrorCode.INVALID_PARAMETER, problems)
 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_request: Request, _exc: BodyTooLarge) -> Response:
-        return error_response(413, "body_too_large", f"request body exceeds {settings.max_body_bytes} bytes")
+        return error_response(
+            413, ErrorCode.BODY_TOO_LARGE, f"request body exceeds {settings.max_body_bytes} bytes"
+        )
 
     @app.exception_handler(BudgetExhausted)
     async def _over_budget(_request: Request, exc: BudgetExhausted) -> Response:
-        return error_response(503, REQUEST_BUDGET, str(exc), {"Retry-After": str(BUDGET_RETRY_AFTER_S)})
+        return error_response(
+            503, ErrorCode.REQUEST_BUDGET, str(exc), {"Retry-After": str(BUDGET_RETRY_AFTER_S)}
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> Response:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {404: ErrorCode.NOT_FOUND, 405: ErrorCode.METHOD_NOT_ALLOWED}.get(
+            exc.status_code, ErrorCode.HTTP_ERROR
+        )
         return error_response(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> Response:
-        return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
+        return error_response(500, ErrorCode.INTERNAL_ERROR, f"{type(exc).__name__}: {exc}")
 
     def refuse_over_capacity() -> None:
         """429 when admission has no room for one more session (see admission.py)."""
@@ -153,7 +164,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
                 "capacity returns when the trainer publishes a new model version"
             )
             retry_after = STALENESS_RETRY_AFTER_S
-        raise ProxyError(429, "over_capacity", message, {"Retry-After": str(retry_after)})
+        raise too_many(ErrorCode.OVER_CAPACITY, message, retry_after)
 
     # --- sessions -------------------------------------------------------------------------------
 
@@ -163,23 +174,27 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         raw = await request.body()
         body = json_body(raw) if raw.strip() else {}
         if not isinstance(body, dict):
-            raise bad_request("invalid_body", "the request body must be a JSON object")
+            raise not_a_json_object()
         if runtime.gauges.draining or not runtime.started:
-            raise unavailable("draining", "this proxy is not taking new sessions; use another one", 2)
+            raise draining("this proxy is not taking new sessions; use another one")
         session_id = body.get("session_id")
         session_id = new_session_id() if session_id is None else session_id  # "", 0, false are errors
         if not isinstance(session_id, str) or not is_valid_new_session_id(session_id):
-            raise bad_request("invalid_session_id", f"session ids are {SESSION_ID_RULE}")
+            raise invalid_session_id()
         metadata = body.get("metadata")
         metadata = {} if metadata is None else metadata
         if not isinstance(metadata, dict):
-            raise bad_request("invalid_metadata", "metadata must be a JSON object")
+            raise bad_request(ErrorCode.INVALID_METADATA, "metadata must be a JSON object")
         if metadata and len(orjson.dumps(metadata)) > settings.max_metadata_bytes:
-            raise bad_request("invalid_metadata", f"metadata exceeds {settings.max_metadata_bytes} bytes")
+            raise bad_request(
+                ErrorCode.INVALID_METADATA, f"metadata exceeds {settings.max_metadata_bytes} bytes"
+            )
         if settings.rss_soft_limit_bytes and recent_rss_bytes() >= settings.rss_soft_limit_bytes:
             runtime.counters.sessions_refused_memory += 1
             raise unavailable(
-                "memory_pressure", "this proxy is near its memory budget; start the session on another one", 5
+                ErrorCode.MEMORY_PRESSURE,
+                "this proxy is near its memory budget; start the session on another one",
+                5,
             )
         runtime.log.require_writable("the session was not created")
         refuse_over_capacity()
@@ -251,7 +266,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
         body = await read_json(request)
         session = authorized_session(request, session_id)
         if not isinstance(body, dict):
-            raise bad_request("invalid_body", "the request body must be a JSON object")
+            raise not_a_json_object()
         value = body.get("reward")
         if (
             isinstance(value, bool)
@@ -259,12 +274,14 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
             or not math.isfinite(value)
             or abs(value) > MAX_REWARD
         ):
-            raise bad_request("invalid_reward", f"reward must be a finite number within ±{MAX_REWARD:.6g}")
+            raise bad_request(
+                ErrorCode.INVALID_REWARD, f"reward must be a finite number within ±{MAX_REWARD:.6g}"
+            )
         turn = body.get("turn")
         if turn is not None and (
             isinstance(turn, bool) or not isinstance(turn, int) or not 0 <= turn < session.num_turns
         ):
-            raise bad_request("invalid_turn", f"turn must be an integer in [0, {session.num_turns})")
+            raise bad_request(ErrorCode.INVALID_TURN, f"turn must be an integer in [0, {session.num_turns})")
         session.set_reward(float(value), turn)
         await runtime.log.commit(runtime.log.rewarded(session, float(value), turn))
         return json_response(session.summary())
@@ -273,7 +290,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
     async def finish(session_id: str, request: Request) -> Response:
         session = authorized_session(request, session_id)
         if session.busy:
-            raise ProxyError(409, "session_busy", f"session {session_id} has a turn in flight")
+            raise session_busy(session_id, "has a turn in flight")
         if runtime.store.mark_finished(session):
             runtime.counters.sessions_finished += 1
             await runtime.log.commit(runtime.log.finished(session))
@@ -337,13 +354,13 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
     @app.get("/readyz")
     async def readyz() -> Response:
         if runtime.gauges.draining:
-            return error_response(503, "draining", "the proxy is draining for shutdown")
+            return error_response(503, ErrorCode.DRAINING, "the proxy is draining for shutdown")
         if not runtime.started:
-            return error_response(503, "starting", "the proxy is starting")
+            return error_response(503, ErrorCode.STARTING, "the proxy is starting")
         if not runtime.storage.ok:
             return error_response(
                 503,
-                STORAGE_UNAVAILABLE,
+                ErrorCode.STORAGE_UNAVAILABLE,
                 f"the proxy cannot write to its dump volume: {runtime.storage.reason}",
             )
         return json_response({"status": "ready"})

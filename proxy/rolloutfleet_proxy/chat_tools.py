@@ -15,6 +15,7 @@ from typing import Any
 import orjson
 from jsonschema import exceptions as schema_errors
 from jsonschema.validators import validator_for
+from rolloutfleet_wire.errors import ErrorCode
 
 from .errors import ProxyError, bad_request
 from .history import json_depth_within
@@ -51,7 +52,7 @@ class ToolSpec:
 
 
 def invalid_tools(message: str) -> ProxyError:
-    return bad_request("invalid_tools", message)
+    return bad_request(ErrorCode.INVALID_TOOLS, message)
 
 
 def _check_schema(schema: Any, where: str) -> None:
@@ -110,7 +111,7 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSpec | None:
     raw, choice = body.get("tools"), body.get("tool_choice")
     if raw is None or raw == []:
         if choice not in (None, "none", "auto"):
-            raise bad_request("invalid_tool_choice", "tool_choice needs tools")
+            raise bad_request(ErrorCode.INVALID_TOOL_CHOICE, "tool_choice needs tools")
         return None
     if not isinstance(raw, list):
         raise invalid_tools("tools must be a list of function tools")
@@ -128,18 +129,22 @@ def _tool_choice(choice: Any, names: frozenset[str]) -> str | dict[str, Any]:
         return "auto"
     if isinstance(choice, str):
         if choice not in TOOL_CHOICE_MODES:
-            raise bad_request("invalid_tool_choice", f"tool_choice must be one of {list(TOOL_CHOICE_MODES)}")
+            raise bad_request(
+                ErrorCode.INVALID_TOOL_CHOICE, f"tool_choice must be one of {list(TOOL_CHOICE_MODES)}"
+            )
         return choice
     function = choice.get("function") if isinstance(choice, Mapping) else None
     name = function.get("name") if isinstance(function, Mapping) else None
     if not isinstance(name, str) or choice.get("type", "function") != "function":  # type: ignore[union-attr]
         raise bad_request(
-            "invalid_tool_choice",
+            ErrorCode.INVALID_TOOL_CHOICE,
             'tool_choice must be "auto", "none", "required" or '
             '{"type": "function", "function": {"name": ...}}',
         )
     if name not in names:
-        raise bad_request("invalid_tool_choice", f"tool_choice names {name!r}, which is not among the tools")
+        raise bad_request(
+            ErrorCode.INVALID_TOOL_CHOICE, f"tool_choice names {name!r}, which is not among the tools"
+        )
     return {"type": "function", "function": {"name": name}}
 
 
@@ -155,7 +160,7 @@ def check_tool_results(messages: Sequence[Mapping[str, Any]]) -> None:
             if call_id not in open_calls:
                 known = ", ".join(sorted(open_calls)) or "none"
                 raise bad_request(
-                    "unknown_tool_call_id",
+                    ErrorCode.UNKNOWN_TOOL_CALL_ID,
                     f"messages[{index}] answers tool call {call_id!r}, but the assistant message before "
                     f"it made no such call (its calls: {known})",
                 )
@@ -189,10 +194,10 @@ def template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dic
     if given is None:
         given = {}
     if not isinstance(given, Mapping):
-        raise bad_request("invalid_parameter", "chat_template_kwargs must be a JSON object")
+        raise bad_request(ErrorCode.INVALID_PARAMETER, "chat_template_kwargs must be a JSON object")
     reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(given))
     if reserved:
-        raise bad_request("invalid_parameter", f"chat_template_kwargs may not set {reserved}")
+        raise bad_request(ErrorCode.INVALID_PARAMETER, f"chat_template_kwargs may not set {reserved}")
     if not json_depth_within(dict(given), 16):
-        raise bad_request("invalid_parameter", "chat_template_kwargs nests too deep")
+        raise bad_request(ErrorCode.INVALID_PARAMETER, "chat_template_kwargs nests too deep")
     return {**defaults, **given}

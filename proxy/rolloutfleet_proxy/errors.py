@@ -1,21 +1,28 @@
-"""Errors a client sees: an HTTP status, a stable code and a message, as OpenAI-style JSON."""
+"""Errors a client sees: an HTTP status, a stable code (`ErrorCode`) and a message, as OpenAI-style JSON.
+
+Routes and request parsers raise `ProxyError`s, built by the functions below (one per shape of
+answer, so a repeated error is built one way everywhere). The domain failures of `failures.py`
+become answers in `http_error`, the one mapping from failure to status, code and headers.
+"""
 
 from __future__ import annotations
 
 import orjson
 from rolloutfleet_wire.errors import ErrorCode
+from starlette.requests import Request
 from starlette.responses import Response
 
-# Codes clients act on (shared with them through rolloutfleet_wire.errors).
-STORAGE_UNAVAILABLE = ErrorCode.STORAGE_UNAVAILABLE
-SESSION_LOST = ErrorCode.SESSION_LOST
-REQUEST_BUDGET = ErrorCode.REQUEST_BUDGET
+from . import failures as f
+from .ids import SESSION_ID_RULE
+
+DRAINING_RETRY_AFTER_S = 2  # a replacement takes over within seconds
+STORAGE_RETRY_AFTER_S = 5
 
 
 class ProxyError(Exception):
     """An error that maps to one HTTP response; raising it never changes session state."""
 
-    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
         self.code = code
@@ -26,40 +33,110 @@ class ProxyError(Exception):
         return error_response(self.status, self.code, self.message, self.headers)
 
 
-def error_body(status: int, code: str, message: str) -> bytes:
+def error_body(status: int, code: ErrorCode, message: str) -> bytes:
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     return orjson.dumps({"error": {"code": code, "message": message, "type": kind}})
 
 
-def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> Response:
+def error_response(
+    status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None
+) -> Response:
     return Response(
         error_body(status, code, message), status_code=status, headers=headers, media_type="application/json"
     )
 
 
-def bad_request(code: str, message: str) -> ProxyError:
+# --- the shapes of answer -------------------------------------------------------------------------
+
+
+def _retry_after(seconds: int | None) -> dict[str, str] | None:
+    return None if seconds is None else {"Retry-After": str(seconds)}
+
+
+def bad_request(code: ErrorCode, message: str) -> ProxyError:
     return ProxyError(400, code, message)
 
 
 def unauthorized(message: str = "missing or invalid bearer key") -> ProxyError:
-    return ProxyError(401, "unauthorized", message, {"WWW-Authenticate": "Bearer"})
-
-
-def forbidden(message: str) -> ProxyError:
-    return ProxyError(403, "forbidden", message)
+    return ProxyError(401, ErrorCode.UNAUTHORIZED, message, {"WWW-Authenticate": "Bearer"})
 
 
 def not_found(message: str) -> ProxyError:
-    return ProxyError(404, "not_found", message)
+    return ProxyError(404, ErrorCode.NOT_FOUND, message)
 
 
-def conflict(code: str, message: str) -> ProxyError:
-    return ProxyError(409, code, message)
+def conflict(code: ErrorCode, message: str, retry_after_s: int | None = None) -> ProxyError:
+    return ProxyError(409, code, message, _retry_after(retry_after_s))
 
 
-def gone(code: str, message: str) -> ProxyError:
+def gone(code: ErrorCode, message: str) -> ProxyError:
     return ProxyError(410, code, message)
 
 
-def unavailable(code: str, message: str, retry_after_s: int = 1) -> ProxyError:
-    return ProxyError(503, code, message, {"Retry-After": str(retry_after_s)})
+def too_many(code: ErrorCode, message: str, retry_after_s: int) -> ProxyError:
+    return ProxyError(429, code, message, _retry_after(retry_after_s))
+
+
+def unavailable(code: ErrorCode, message: str, retry_after_s: int = 1) -> ProxyError:
+    return ProxyError(503, code, message, _retry_after(retry_after_s))
+
+
+# --- errors raised in more than one place ---------------------------------------------------------
+
+
+def not_a_json_object() -> ProxyError:
+    return bad_request(ErrorCode.INVALID_BODY, "the request body must be a JSON object")
+
+
+def invalid_session_id() -> ProxyError:
+    return bad_request(ErrorCode.INVALID_SESSION_ID, f"session ids are {SESSION_ID_RULE}")
+
+
+def draining(message: str) -> ProxyError:
+    """503 `draining`: shutting down; `message` says what becomes of the request's work."""
+    return unavailable(ErrorCode.DRAINING, message, DRAINING_RETRY_AFTER_S)
+
+
+def session_busy(session_id: str, why: str, retry_after_s: int | None = None) -> ProxyError:
+    return conflict(ErrorCode.SESSION_BUSY, f"session {session_id} {why}", retry_after_s)
+
+
+def storage_unavailable(what: str, reason: str) -> ProxyError:
+    return unavailable(
+        ErrorCode.STORAGE_UNAVAILABLE,
+        f"{what}: this proxy cannot write to its dump volume ({reason}); nothing was recorded",
+        STORAGE_RETRY_AFTER_S,
+    )
+
+
+# --- domain failures as answers -------------------------------------------------------------------
+
+
+def http_error(failure: f.Failure) -> ProxyError:
+    """The one mapping from a domain failure to its answer."""
+    match failure:
+        case f.UnknownSession() | f.UnknownSessions() | f.UnknownBatch():
+            return not_found(failure.message)
+        case f.SessionBeingWritten():
+            return conflict(failure.code, failure.message, retry_after_s=1)
+        case f.SessionExists() | f.SessionsNotFinished() | f.SessionFinished() | f.TurnInFlight():
+            return conflict(failure.code, failure.message)
+        case f.HistoryMismatch():
+            return conflict(failure.code, failure.message)
+        case f.SessionLostInRestart() | f.SessionEnded() | f.SessionDeleted() | f.BatchEnded():
+            return gone(failure.code, failure.message)
+        case f.ShuttingDown():
+            return draining(failure.message)
+        case f.PauseOutlasted() | f.UpstreamAborted():
+            return unavailable(failure.code, failure.message, 1)
+        case f.NoNewMessages() | f.NewMessagesTooLarge() | f.TemplateFailed():
+            return bad_request(failure.code, failure.message)
+    return ProxyError(
+        500, ErrorCode.INTERNAL_ERROR, f"{type(failure).__name__}: {failure}"
+    )  # unmapped: a bug
+
+
+async def failure_handler(_request: Request, exc: Exception) -> Response:
+    """The Starlette exception handler for every domain failure (registered in `create_app`)."""
+    assert isinstance(exc, f.Failure)
+    return http_error(exc).to_response()

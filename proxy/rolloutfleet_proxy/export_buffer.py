@@ -13,7 +13,9 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .errors import gone, not_found
+from rolloutfleet_wire.errors import ErrorCode
+
+from .failures import BatchEnded, UnknownBatch
 
 
 @dataclass(eq=False)
@@ -46,7 +48,7 @@ class ExportBatch:
 class ExportBuffer:
     def __init__(self, ended_capacity: int = 10000):
         self._batches: dict[str, ExportBatch] = {}
-        self._ended: OrderedDict[str, tuple[str, str]] = OrderedDict()  # id -> (error code, message)
+        self._ended: OrderedDict[str, tuple[ErrorCode, str]] = OrderedDict()  # id -> (how it left, message)
         self._ended_capacity = ended_capacity
         self.bytes = 0
         self.trajectories = 0
@@ -69,21 +71,23 @@ class ExportBuffer:
         self.trajectories += batch.num_trajectories
 
     def get(self, batch_id: str) -> ExportBatch:
-        """The held batch, or the error for an id that is not held (any more)."""
+        """The held batch, or the failure for an id that is not held (any more)."""
         batch = self._batches.get(batch_id)
         if batch is not None:
             return batch
         ended = self._ended.get(batch_id)
         if ended is not None:
-            raise gone(*ended)
-        raise not_found(f"unknown export batch {batch_id}")
+            raise BatchEnded(batch_id, *ended)
+        raise UnknownBatch(batch_id)
 
     def acknowledge(self, batch_id: str) -> ExportBatch:
-        """Free a batch the trainer has. A second acknowledgement gets 410 `batch_already_acknowledged`."""
+        """Free a batch the trainer has. A second acknowledgement gets `batch_already_acknowledged`."""
         batch = self.get(batch_id)
         # Acknowledged while its TTL dump is being written: the dump's file is removed afterwards.
         batch.acknowledged = True
-        self.release(batch, "batch_already_acknowledged", f"export batch {batch_id} was already acknowledged")
+        self.release(
+            batch, ErrorCode.BATCH_ALREADY_ACKNOWLEDGED, f"export batch {batch_id} was already acknowledged"
+        )
         return batch
 
     def expired(self, now: float) -> list[ExportBatch]:
@@ -93,8 +97,8 @@ class ExportBuffer:
             batch.writing = True
         return due
 
-    def release(self, batch: ExportBatch, code: str, message: str, remember: bool = True) -> None:
-        """Forget a batch's bytes; later calls for its id get 410 `code` (when remembered)."""
+    def release(self, batch: ExportBatch, code: ErrorCode, message: str, remember: bool = True) -> None:
+        """Forget a batch's bytes; later calls for its id get `BatchEnded` with `code` (when remembered)."""
         if self._batches.pop(batch.batch_id, None) is None:
             return
         self.bytes -= len(batch.data)

@@ -19,6 +19,7 @@ import logging
 import time
 from pathlib import Path
 
+from rolloutfleet_wire.errors import ErrorCode
 from rolloutfleet_wire.export_format import decode_batch, encode_batch
 
 from .dumps import (
@@ -175,7 +176,7 @@ class ExportService:
             for batch in expired:
                 self.buffer.release(
                     batch,
-                    "batch_expired",
+                    ErrorCode.BATCH_EXPIRED,
                     f"export batch {batch.batch_id} was not acknowledged in time "
                     "and was dropped (no dump directory)",
                 )
@@ -201,7 +202,7 @@ class ExportService:
                 log.error("cannot delete live-exports file of expired batch %s: %s", batch.batch_id, exc)
             self.buffer.release(
                 batch,
-                "batch_expired",
+                ErrorCode.BATCH_EXPIRED,
                 f"export batch {batch.batch_id} was not acknowledged within {self.ttl_s:g}s; "
                 f"it was written to {path}",
             )
@@ -223,12 +224,12 @@ class ExportService:
         pending = list(self.buffer)
         if self._dump_dir is None:
             for batch in pending:
-                self.buffer.release(batch, "draining", "dropped at shutdown (no dump directory)")
+                self.buffer.release(batch, ErrorCode.DRAINING, "dropped at shutdown (no dump directory)")
             self._counters.batches_dropped += len(pending)
             return True
         if self._log.enabled:  # written when exported; the files are the next process's copy
             for batch in pending:
-                self.buffer.release(batch, "draining", "written for the next process", remember=False)
+                self.buffer.release(batch, ErrorCode.DRAINING, "written for the next process", remember=False)
                 self._counters.batches_drained += 1
             return True
         for attempt in range(DRAIN_WRITE_ATTEMPTS):
@@ -243,7 +244,7 @@ class ExportService:
                     log.error("drain of export batch %s failed: %s", batch.batch_id, exc)
                     failed.append(batch)
                     continue
-                self.buffer.release(batch, "draining", "written for the next process", remember=False)
+                self.buffer.release(batch, ErrorCode.DRAINING, "written for the next process", remember=False)
                 self._counters.batches_drained += 1
             pending = failed
             if not pending:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from .errors import unavailable
+from .failures import PauseOutlasted, ShuttingDown
 
 MAX_MODEL_VERSION = 2**31 - 1  # versions are stored per turn as int32
 
@@ -39,13 +39,13 @@ class GenerationControl:
         self._wakeup.set()
 
     def close(self) -> None:
-        """Shutdown: turns waiting at the gate give up at once (503 draining) instead of holding the drain."""
+        """Shutdown: turns waiting at the gate give up at once (ShuttingDown) instead of holding the drain."""
         self._closed = True
         self._wakeup.set()
 
     async def enter(self) -> tuple[int, float]:
         """Wait while paused; returns the model version this generation runs under and the seconds
-        waited. Raises 503 `generation_paused` after `max_wait_s`, 503 `draining` on shutdown."""
+        waited. Raises `PauseOutlasted` after `max_wait_s`, `ShuttingDown` on shutdown."""
         waited = 0.0
         if self.paused and not self._closed:
             started = time.monotonic()
@@ -55,12 +55,7 @@ class GenerationControl:
                 while self.paused and not self._closed:
                     remaining = deadline - time.monotonic()
                     if remaining <= 0:
-                        raise unavailable(
-                            "generation_paused",
-                            f"generation is paused (weights are being updated) and did not resume within "
-                            f"{self.max_wait_s:g}s; nothing was recorded, retry the turn",
-                            1,
-                        )
+                        raise PauseOutlasted(self.max_wait_s)
                     try:
                         await asyncio.wait_for(self._wakeup.wait(), remaining)
                     except TimeoutError:
@@ -69,7 +64,7 @@ class GenerationControl:
                 self.waiting -= 1
                 waited = time.monotonic() - started
         if self._closed:
-            raise unavailable("draining", "the proxy is shutting down; nothing was recorded", 2)
+            raise ShuttingDown("the proxy is shutting down; nothing was recorded")
         self.generating += 1
         self.idle.clear()
         return self.model_version, waited

@@ -25,13 +25,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import STORAGE_UNAVAILABLE, ProxyError, unavailable
+from .errors import ProxyError, draining, storage_unavailable
 
 log = logging.getLogger("rolloutfleet.proxy.journal")
 
 JOURNAL_AREA = "journal"
 SEGMENT_SUFFIX = ".wal"
-STORAGE_RETRY_AFTER_S = 5
 
 
 def journal_dir(dump_dir: Path) -> Path:
@@ -85,11 +84,7 @@ class StorageHealth:
         self.ok, self.reason = True, ""
 
     def refuse(self, what: str) -> ProxyError:
-        return unavailable(
-            STORAGE_UNAVAILABLE,
-            f"{what}: this proxy cannot write to its dump volume ({self.reason}); nothing was recorded",
-            STORAGE_RETRY_AFTER_S,
-        )
+        return storage_unavailable(what, self.reason)
 
 
 @dataclass
@@ -168,7 +163,7 @@ class Journal:
         """Queue a record (the change it describes is already applied in memory). Returns what to pass
         to `commit`. Raises storage_unavailable when the journal cannot write."""
         if self._closed:
-            raise unavailable("draining", "the proxy is shutting down; nothing was recorded", 2)
+            raise draining("the proxy is shutting down; nothing was recorded")
         if not self.health.ok:
             raise self.health.refuse("refused")
         future = asyncio.get_running_loop().create_future() if self.durability == "sync" else None

@@ -10,9 +10,10 @@ import logging
 import time
 from typing import Any
 
+from rolloutfleet_wire.errors import ErrorCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import REQUEST_BUDGET, error_body
+from .errors import error_body
 from .stats import Counters, Gauges
 
 BUDGET_RETRY_AFTER_S = 1
@@ -85,13 +86,18 @@ class RequestMiddleware:
             declared = self._declared_length(scope)
             if declared is not None and (declared < 0 or declared > self.max_bytes):
                 await self._reject(
-                    send_with_status, 413, "body_too_large", f"request body exceeds {self.max_bytes} bytes"
+                    send_with_status,
+                    413,
+                    ErrorCode.BODY_TOO_LARGE,
+                    f"request body exceeds {self.max_bytes} bytes",
                 )
                 return
             if declared and self.budget is not None:
                 if not self.budget.take(declared):
                     self.counters.requests_over_budget += 1
-                    await self._reject(send_with_status, 503, REQUEST_BUDGET, self._budget_message())
+                    await self._reject(
+                        send_with_status, 503, ErrorCode.REQUEST_BUDGET, self._budget_message()
+                    )
                     return
                 held[0] = declared
             await self.app(scope, self._limited(receive, held), send_with_status)
@@ -142,7 +148,7 @@ class RequestMiddleware:
 
         return limited_receive
 
-    async def _reject(self, send: Send, status: int, code: str, message: str) -> None:
+    async def _reject(self, send: Send, status: int, code: ErrorCode, message: str) -> None:
         body = error_body(status, code, message)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 503:

@@ -9,9 +9,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+from rolloutfleet_wire.errors import ErrorCode
 
 from .chat_tools import ToolSpec, check_tool_results, parse_tools, template_kwargs
-from .errors import ProxyError, bad_request
+from .errors import bad_request, not_a_json_object
 from .history import InvalidMessage, canonical_message
 from .replies import Reply
 
@@ -32,9 +33,9 @@ def _number(body: dict[str, Any], name: str, low: float, high: float) -> float |
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise bad_request("invalid_parameter", f"{name} must be a number")
+        raise bad_request(ErrorCode.INVALID_PARAMETER, f"{name} must be a number")
     if not low <= value <= high:
-        raise bad_request("invalid_parameter", f"{name} must be between {low} and {high}")
+        raise bad_request(ErrorCode.INVALID_PARAMETER, f"{name} must be between {low} and {high}")
     return float(value)
 
 
@@ -43,7 +44,7 @@ def _positive_int(body: dict[str, Any], name: str) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise bad_request("invalid_parameter", f"{name} must be a positive integer")
+        raise bad_request(ErrorCode.INVALID_PARAMETER, f"{name} must be a positive integer")
     return value
 
 
@@ -56,25 +57,25 @@ def parse_chat_request(
     """Validate an OpenAI chat request; unknown OpenAI parameters are ignored, wrong ones are 400.
     Tools need a tool-call parser (`tool_parser`, SGLang's name), or their calls could not be returned."""
     if not isinstance(body, dict):
-        raise bad_request("invalid_body", "the request body must be a JSON object")
+        raise not_a_json_object()
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad_request("invalid_messages", "messages must be a non-empty list")
+        raise bad_request(ErrorCode.INVALID_MESSAGES, "messages must be a non-empty list")
     try:
         canonical = [canonical_message(m) for m in messages]
     except InvalidMessage as exc:
-        raise bad_request("invalid_messages", str(exc)) from None
+        raise bad_request(ErrorCode.INVALID_MESSAGES, str(exc)) from None
     check_tool_results(canonical)
     tools = parse_tools(body)
     if tools is not None and tool_parser is None:
         raise bad_request(
-            "unsupported_parameter",
+            ErrorCode.UNSUPPORTED_PARAMETER,
             "this proxy has no tool-call parser, so tool calls could not be returned: set "
             "spec.proxy.toolCallParser on the fleet (ROLLOUTFLEET_PROXY_TOOL_CALL_PARSER)",
         )
     n = body.get("n")
     if n is not None and n != 1:
-        raise bad_request("invalid_parameter", "n must be 1: a session records one trajectory")
+        raise bad_request(ErrorCode.INVALID_PARAMETER, "n must be 1: a session records one trajectory")
     sampling: dict[str, Any] = {
         "max_new_tokens": _positive_int(body, "max_completion_tokens")
         or _positive_int(body, "max_tokens")
@@ -93,23 +94,23 @@ def parse_chat_request(
         value = body.get(name)
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-                raise bad_request("invalid_parameter", f"{name} must be a number")
+                raise bad_request(ErrorCode.INVALID_PARAMETER, f"{name} must be a number")
             sampling[name] = value
     stop = body.get("stop")
     if stop is not None:
         if isinstance(stop, str):
             stop = [stop]
         if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise bad_request("invalid_parameter", "stop must be a string or a list of strings")
+            raise bad_request(ErrorCode.INVALID_PARAMETER, "stop must be a string or a list of strings")
         sampling["stop"] = stop
     seed = body.get("seed")
     if seed is not None:
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise bad_request("invalid_parameter", "seed must be an integer")
+            raise bad_request(ErrorCode.INVALID_PARAMETER, "seed must be an integer")
         sampling["sampling_seed"] = seed
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
-        raise bad_request("invalid_parameter", "stream must be a boolean")
+        raise bad_request(ErrorCode.INVALID_PARAMETER, "stream must be a boolean")
     options = body.get("stream_options") or {}
     return ChatRequest(
         messages=canonical,
@@ -216,4 +217,4 @@ def json_body(raw: bytes) -> Any:
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
-        raise ProxyError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
+        raise bad_request(ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}") from None

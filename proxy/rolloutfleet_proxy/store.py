@@ -15,7 +15,15 @@ import asyncio
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from .errors import SESSION_LOST, ProxyError, conflict, gone, not_found
+from .failures import (
+    SessionBeingWritten,
+    SessionEnded,
+    SessionExists,
+    SessionLostInRestart,
+    SessionsNotFinished,
+    UnknownSession,
+    UnknownSessions,
+)
 from .session import Session
 from .stats import AdmissionCounters
 
@@ -49,24 +57,19 @@ class SessionStore:
         return len(self._ready)
 
     def get(self, session_id: str) -> Session:
-        """The live session, or the error a client should see for that id."""
+        """The live session, or the failure a client should see for that id."""
         session = self._live.get(session_id)
         if session is not None:
             return session
         if session_id in self._detached:
-            raise ProxyError(
-                409,
-                "session_busy",
-                f"session {session_id} is being written to disk; retry",
-                {"Retry-After": "1"},
-            )
+            raise SessionBeingWritten(session_id)
         lost = self._lost.get(session_id)
         if lost is not None:
-            raise gone(SESSION_LOST, f"session {session_id} was lost in a restart of this proxy: {lost}")
+            raise SessionLostInRestart(session_id, lost)
         reason = self._tombstones.get(session_id)
         if reason is not None:
-            raise gone("session_gone", f"session {session_id} has ended: {reason}")
-        raise not_found(f"unknown session {session_id}")
+            raise SessionEnded(session_id, reason)
+        raise UnknownSession(session_id)
 
     def all_sessions(self) -> list[Session]:
         """Every session held, live or detached (being written): what a snapshot must cover."""
@@ -85,7 +88,7 @@ class SessionStore:
     def add(self, session: Session) -> None:
         sid = session.session_id
         if sid in self._live or sid in self._detached:
-            raise conflict("session_exists", f"session {sid} already exists")
+            raise SessionExists(sid)
         self._tombstones.pop(sid, None)
         self._lost.pop(sid, None)
         self._live[sid] = session
@@ -156,13 +159,11 @@ class SessionStore:
             if sid not in self._live and sid not in self._detached and sid not in self._tombstones
         ]
         if unknown:
-            raise not_found(f"unknown session ids: {_some(unknown)}")
-        sessions = [self.get(sid) for sid in session_ids]  # 409 being written, 410 ended
+            raise UnknownSessions(unknown)
+        sessions = [self.get(sid) for sid in session_ids]  # being written, or ended
         unfinished = [s.session_id for s in sessions if not s.finished or s.busy]
         if unfinished:
-            raise conflict(
-                "session_not_finished", f"sessions not finished (finish them first): {_some(unfinished)}"
-            )
+            raise SessionsNotFinished(unfinished)
         for session in sessions:
             self._detach(session)
         return sessions
@@ -198,8 +199,3 @@ class SessionStore:
             self._tombstones.move_to_end(session.session_id)
             while len(self._tombstones) > self._tombstone_capacity:
                 self._tombstones.popitem(last=False)
-
-
-def _some(ids: list[str], shown: int = 20) -> str:
-    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
-    return ", ".join(ids[:shown]) + more

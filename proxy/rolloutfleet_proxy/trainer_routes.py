@@ -11,10 +11,11 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
+from rolloutfleet_wire.errors import ErrorCode
 from rolloutfleet_wire.export_format import MEDIA_TYPE, batch_json
 from starlette.responses import Response
 
-from .errors import bad_request, unavailable
+from .errors import bad_request, draining, not_a_json_object
 from .export_buffer import ExportBatch
 from .generation import MAX_MODEL_VERSION
 from .ids import SESSION_ID_RULE, is_valid_session_id
@@ -31,39 +32,39 @@ TRAJECTORIES_HEADER = "X-RolloutFleet-Trajectories"
 def parse_export_request(body: Any) -> tuple[list[str] | None, int]:
     """`{"session_ids": [...]}` or `{"max_trajectories": N}`, exactly one of them."""
     if not isinstance(body, dict):
-        raise bad_request("invalid_body", "the request body must be a JSON object")
+        raise not_a_json_object()
     unknown = set(body) - {"session_ids", "max_trajectories"}
     if unknown:
-        raise bad_request("invalid_body", f"unknown fields: {', '.join(sorted(unknown))}")
+        raise bad_request(ErrorCode.INVALID_BODY, f"unknown fields: {', '.join(sorted(unknown))}")
     if ("session_ids" in body) == ("max_trajectories" in body):
-        raise bad_request("invalid_body", "give exactly one of session_ids and max_trajectories")
+        raise bad_request(ErrorCode.INVALID_BODY, "give exactly one of session_ids and max_trajectories")
     if "max_trajectories" in body:
         limit = body["max_trajectories"]
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_EXPORT_TRAJECTORIES:
             raise bad_request(
-                "invalid_max_trajectories",
+                ErrorCode.INVALID_MAX_TRAJECTORIES,
                 f"max_trajectories must be an integer from 1 to {MAX_EXPORT_TRAJECTORIES}",
             )
         return None, limit
     ids = body["session_ids"]
     if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_EXPORT_TRAJECTORIES:
         raise bad_request(
-            "invalid_session_ids", f"session_ids must be a list of 1 to {MAX_EXPORT_TRAJECTORIES} ids"
+            ErrorCode.INVALID_SESSION_IDS, f"session_ids must be a list of 1 to {MAX_EXPORT_TRAJECTORIES} ids"
         )
     if not all(isinstance(i, str) and is_valid_session_id(i) for i in ids):
-        raise bad_request("invalid_session_ids", f"session ids are {SESSION_ID_RULE}")
+        raise bad_request(ErrorCode.INVALID_SESSION_IDS, f"session ids are {SESSION_ID_RULE}")
     if len(set(ids)) != len(ids):
-        raise bad_request("invalid_session_ids", "session_ids lists an id more than once")
+        raise bad_request(ErrorCode.INVALID_SESSION_IDS, "session_ids lists an id more than once")
     return ids, len(ids)
 
 
 def parse_model_version(body: Any) -> int:
     if not isinstance(body, dict):
-        raise bad_request("invalid_body", "the request body must be a JSON object")
+        raise not_a_json_object()
     version = body.get("model_version")
     if isinstance(version, bool) or not isinstance(version, int) or not 0 <= version <= MAX_MODEL_VERSION:
         raise bad_request(
-            "invalid_model_version", f"model_version must be an integer from 0 to {MAX_MODEL_VERSION}"
+            ErrorCode.INVALID_MODEL_VERSION, f"model_version must be an integer from 0 to {MAX_MODEL_VERSION}"
         )
     return version
 
@@ -73,7 +74,7 @@ def wants_json(request: Request) -> bool:
     fmt = request.query_params.get("format")
     if fmt is not None:
         if fmt not in ("json", "safetensors"):
-            raise bad_request("invalid_parameter", "format must be json or safetensors")
+            raise bad_request(ErrorCode.INVALID_PARAMETER, "format must be json or safetensors")
         return fmt == "json"
     accept = request.headers.get("accept", "")
     return "application/json" in accept and MEDIA_TYPE not in accept
@@ -95,13 +96,11 @@ def add_trainer_routes(app: FastAPI, runtime: ProxyRuntime, require_admin: Calla
 
     def refuse_while_draining() -> None:
         if runtime.gauges.draining:
-            raise unavailable(
-                "draining", "the proxy is shutting down; its batches and state continue on its replacement", 2
-            )
+            raise draining("the proxy is shutting down; its batches and state continue on its replacement")
 
     def valid_batch_id(batch_id: str) -> None:
         if not is_valid_session_id(batch_id):
-            raise bad_request("invalid_batch_id", f"batch ids are {SESSION_ID_RULE}")
+            raise bad_request(ErrorCode.INVALID_BATCH_ID, f"batch ids are {SESSION_ID_RULE}")
 
     # --- exports ---------------------------------------------------------------------------------
 
@@ -170,7 +169,7 @@ def add_trainer_routes(app: FastAPI, runtime: ProxyRuntime, require_admin: Calla
     async def pause(request: Request, wait_s: float = 0.0) -> Response:
         require_admin(request)
         if not math.isfinite(wait_s) or not 0 <= wait_s <= MAX_PAUSE_WAIT_S:
-            raise bad_request("invalid_parameter", f"wait_s must be from 0 to {MAX_PAUSE_WAIT_S:g}")
+            raise bad_request(ErrorCode.INVALID_PARAMETER, f"wait_s must be from 0 to {MAX_PAUSE_WAIT_S:g}")
         refuse_while_draining()
         runtime.generation.pause()
         persisted = await runtime.save_state()

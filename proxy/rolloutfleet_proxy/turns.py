@@ -26,7 +26,21 @@ from .continuation import (
     logprobs_tempered,
     merge_segments,
 )
-from .errors import ProxyError, bad_request, conflict, gone, unavailable
+from .errors import ProxyError
+from .failures import (
+    Failure,
+    HistoryMismatch,
+    NewMessagesTooLarge,
+    NoNewMessages,
+    PauseOutlasted,
+    SessionDeleted,
+    SessionEnded,
+    SessionFinished,
+    ShuttingDown,
+    TemplateFailed,
+    TurnInFlight,
+    UpstreamAborted,
+)
 from .generation import GenerationControl
 from .history import extend_canonical_digest, extend_digest, tools_digest
 from .openai_format import ChatRequest
@@ -110,18 +124,10 @@ class TurnService:
         messages = request.messages
         recorded = session.message_count
         if len(messages) <= recorded:
-            raise bad_request(
-                "no_new_messages",
-                f"the session has recorded {recorded} messages; send the full history plus new ones",
-            )
+            raise NoNewMessages(recorded)
         seed = tools_digest(request.tools.tools if request.tools else None)
         if recorded and extend_canonical_digest(seed, messages[:recorded]) != session.history_digest:
-            raise conflict(
-                "history_mismatch",
-                f"the first {recorded} messages or the tools differ from what this session recorded "
-                "(send the full history, with assistant replies exactly as returned, and the same tools "
-                "every turn)",
-            )
+            raise HistoryMismatch(recorded)
         new = messages[recorded:]
         tools = request.tools.rendered if request.tools else None
         try:
@@ -132,9 +138,9 @@ class TurnService:
                     new, session.last_stop_token, tools, request.template_kwargs
                 )
         except TemplateError as exc:
-            raise bad_request("template_error", str(exc)) from None
+            raise TemplateFailed(str(exc)) from None
         except Exception as exc:  # jinja raise_exception and friends: the messages do not fit the template
-            raise bad_request("template_error", f"chat template failed on these messages: {exc}") from None
+            raise TemplateFailed(f"chat template failed on these messages: {exc}") from None
         return ids, text, extend_canonical_digest(session.history_digest if recorded else seed, new)
 
     async def _new_input(self, session: Session, request: ChatRequest) -> tuple[array, str, bytes]:
@@ -143,11 +149,7 @@ class TurnService:
         release the GIL while encoding). The session lock is held: nothing else reads or changes it."""
         new_text = message_text_bytes(request.messages[session.message_count :])
         if new_text > self._limits.max_new_message_bytes:
-            raise bad_request(
-                "new_messages_too_large",
-                f"the new messages of this turn hold {new_text} bytes of text; the most is "
-                f"{self._limits.max_new_message_bytes} (max_new_message_bytes)",
-            )
+            raise NewMessagesTooLarge(new_text, self._limits.max_new_message_bytes)
         offload_from = self._limits.offload_templating_bytes
         if message_text_bytes(request.messages, stop_after=offload_from) < offload_from:
             return self.new_input_ids(session, request)  # the common turn: a thread hop costs more
@@ -160,12 +162,12 @@ class TurnService:
 
     async def run_turn(self, session: Session, request: ChatRequest, timings: dict[str, float]) -> TurnResult:
         if self._gauges.draining:
-            raise unavailable("draining", "the proxy is shutting down; retry on its replacement", 2)
+            raise ShuttingDown("the proxy is shutting down; retry on its replacement")
         if session.finished:
-            raise conflict("session_finished", f"session {session.session_id} is finished")
+            raise SessionFinished(session.session_id)
         if session.busy:
             self._counters.turns_busy_rejected += 1
-            raise conflict("session_busy", f"session {session.session_id} already has a turn in flight")
+            raise TurnInFlight(session.session_id)
         if self._log is not None:
             self._log.require_writable("this turn was not run")
         t_lock = time.perf_counter()
@@ -185,7 +187,7 @@ class TurnService:
             t_tok = time.perf_counter()
             timings["lock_wait_ms"] = _ms(t_lock, t_tok)
             if session.closed:
-                raise gone("session_gone", f"session {session.session_id} has ended: {session.close_reason}")
+                raise SessionEnded(session.session_id, session.close_reason)
             session.touch()
             new_ids, prompt_tail, digest = await self._new_input(session, request)
             prompt = array("i", session.token_ids)  # a copy (memcpy): no Python int per token
@@ -258,12 +260,7 @@ class TurnService:
                 if not generation.aborted:
                     break
                 if len(segments) > MAX_CONTINUATIONS:
-                    raise unavailable(
-                        "upstream_aborted",
-                        f"SGLang aborted this turn {len(segments)} times ({generation.abort_message}); "
-                        "nothing was recorded, retry the turn",
-                        1,
-                    )
+                    raise UpstreamAborted(len(segments), generation.abort_message)
                 request = continuation_request(prompt, sampling, segments)
                 if request is not None:
                     self._counters.turns_continued += 1
@@ -292,19 +289,16 @@ class TurnService:
         if task.cancelled() or session.closed:
             self._counters.turns_cancelled += 1
             if not session.closed:  # only the shutdown drain cancels a turn of a session it keeps
-                raise unavailable("draining", "the proxy shut down during this turn; nothing was recorded", 2)
-            raise gone(
-                "session_deleted",
-                f"session {session.session_id} was deleted during this turn; "
-                "the reply was discarded unrecorded",
-            )
+                raise ShuttingDown("the proxy shut down during this turn; nothing was recorded")
+            raise SessionDeleted(session.session_id)
         try:
             return task.result()
-        except ProxyError as exc:
-            if exc.code == "generation_paused":
-                self._counters.turns_pause_timeouts += 1
-            elif exc.code == "draining":  # the gate closed for shutdown while the turn waited
-                self._counters.turns_cancelled += 1
-            else:
-                self._counters.turns_failed += 1
+        except PauseOutlasted:
+            self._counters.turns_pause_timeouts += 1
+            raise
+        except ShuttingDown:  # the gate closed for shutdown while the turn waited
+            self._counters.turns_cancelled += 1
+            raise
+        except (ProxyError, Failure):  # upstream errors, aborts
+            self._counters.turns_failed += 1
             raise

@@ -10,6 +10,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 import orjson
+from rolloutfleet_wire.errors import ErrorCode
 
 from .errors import ProxyError, bad_request
 
@@ -38,7 +39,7 @@ class Generation:
 
 
 def upstream_error(status: int, message: str) -> ProxyError:
-    code = "upstream_timeout" if status == 504 else "upstream_error"
+    code = ErrorCode.UPSTREAM_TIMEOUT if status == 504 else ErrorCode.UPSTREAM_ERROR
     return ProxyError(status, code, message)
 
 
@@ -62,10 +63,10 @@ def refused_request(message: str) -> ProxyError:
     `SamplingParams.verify`): the client's problem, not a retryable upstream failure."""
     if "context length" in message.lower():
         return bad_request(
-            "context_length_exceeded",
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
             f"SGLang refused the turn: {message} (the conversation has reached the model's context length)",
         )
-    return bad_request("invalid_sampling_params", f"SGLang refused the turn: {message}")
+    return bad_request(ErrorCode.INVALID_SAMPLING_PARAMS, f"SGLang refused the turn: {message}")
 
 
 def parse_generate_answer(body: bytes) -> Generation:

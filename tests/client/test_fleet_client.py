@@ -93,6 +93,7 @@ def test_least_loaded_placement_is_even_and_random_is_reproducible():
         (503, "draining", TURN, False, Action.WAIT),  # owner shutting down, nothing recorded
         (503, "draining", WRITE, False, Action.WAIT),
         (503, "generation_paused", TURN, False, Action.WAIT),
+        (503, "storage_unavailable", WRITE, False, Action.WAIT),  # the owner cannot persist right now
         (503, "http_error", READ, False, Action.WAIT),  # a 503 without the proxy's body
         (502, "upstream_error", TURN, False, Action.WAIT),
         (404, "not_found", TURN, False, Action.CHECK_READY),  # lost, or a replacement restoring

@@ -10,9 +10,11 @@ import httpx
 import pytest
 import torch
 from proxy_harness import ADMIN_KEY, play_session, running_proxy
+from rolloutfleet_client.errors import NoAnswerCode, ProxyRequestError
 from rolloutfleet_client.trainer import ProxyCallError, TrainerClient, to_torch
 from rolloutfleet_testkit.processes import free_port, serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
+from rolloutfleet_wire.errors import ErrorCode
 
 
 @pytest.fixture(scope="module")
@@ -100,16 +102,18 @@ def test_fleet_version_and_pause(fleet):
 def test_errors_are_raised_not_swallowed(fleet):
     with (
         TrainerClient([fleet[0].url], "wrong-key", retries=0) as client,
-        pytest.raises(ProxyCallError) as err,
+        pytest.raises(ProxyRequestError) as err,
     ):
         client.pull(1)
-    assert err.value.status == 401 and err.value.code == "unauthorized"
+    assert err.value.status == 401 and err.value.code == ErrorCode.UNAUTHORIZED
+    assert ProxyCallError is ProxyRequestError  # the name the docs gave it first still works
     dead = f"http://127.0.0.1:{free_port()}"
     with TrainerClient([dead, fleet[0].url], ADMIN_KEY, retries=0) as client:
         play_session(fleet[0])
         (batch,) = client.pull(5)  # an unreachable proxy is skipped, the others still serve
-        with pytest.raises(ProxyCallError, match="unreachable"):
+        with pytest.raises(ProxyRequestError, match="unreachable") as unreachable:
             client.set_model_version(1)
+        assert unreachable.value.status is None and unreachable.value.code == NoAnswerCode.UNREACHABLE
         client.ack([batch])
 
 

@@ -65,36 +65,48 @@ def test_every_stats_field_and_metric_is_documented(doc, app):
     assert not missing, f"/stats fields or metrics missing from {DOC.name}: {missing}"
 
 
-# Error helpers and the position of their `code` argument (errors.py defines them; its own fixed codes,
-# such as the unused `forbidden`, are not scanned).
-ERROR_CALLS = {
+def test_every_error_code_is_documented(doc):
+    missing = [code.value for code in ErrorCode if f"`{code.value}`" not in doc]
+    assert not missing, f"error codes missing from {DOC.name}: {missing}"
+
+
+# Calls that take an error code, and the position of that argument.
+CODE_ARGUMENTS = {
     "bad_request": 0,
     "conflict": 0,
     "gone": 0,
+    "too_many": 0,
     "unavailable": 0,
     "ProxyError": 1,
     "error_response": 1,
+    "error_body": 1,
+    "BatchEnded": 1,
+    "release": 1,
+    "_reject": 2,
 }
 
 
-def test_every_error_code_is_documented(doc):
+def test_the_proxy_answers_only_with_error_code_members():
+    """Codes are `ErrorCode` members, never string literals: a code outside the vocabulary would be
+    undocumented, and unknown to the clients."""
     package = Path(rolloutfleet_proxy.__file__).parent
-    codes: dict[str, str] = {}
+    literals = []
     for path in sorted(package.glob("*.py")):
-        if path.name == "errors.py":
-            continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.Call):
-                continue
-            name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
-            position = ERROR_CALLS.get(name)
-            if position is not None and len(node.args) > position:
-                code = node.args[position]
-                if isinstance(code, ast.Constant) and isinstance(code.value, str):
-                    codes.setdefault(code.value, path.name)
-    # The shared codes (clients act on them).
-    for code in ErrorCode:
-        codes.setdefault(code.value, "rolloutfleet_wire/errors.py")
-    assert {"invalid_tools", "unknown_tool_call_id", "template_error", "session_lost"} <= set(codes)
-    missing = sorted(f"{code} ({source})" for code, source in codes.items() if f"`{code}`" not in doc)
-    assert not missing, f"error codes missing from {DOC.name}: {missing}"
+            codes = []
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                position = CODE_ARGUMENTS.get(name)
+                if position is not None:
+                    codes = [k.value for k in node.keywords if k.arg == "code"]
+                    codes += node.args[position : position + 1]
+            elif isinstance(node, ast.Assign | ast.AnnAssign) and node.value is not None:
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any((getattr(t, "id", None) or getattr(t, "attr", None)) == "code" for t in targets):
+                    codes = [node.value]  # `code = ...`, as the failure classes set it
+            literals += [
+                f"{path.name}:{node.lineno}: {code.value!r}"
+                for code in codes
+                if isinstance(code, ast.Constant) and isinstance(code.value, str)
+            ]
+    assert not literals, f"error codes given as string literals: {literals}"

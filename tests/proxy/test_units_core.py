@@ -8,7 +8,14 @@ from array import array
 import orjson
 import pytest
 from pydantic import ValidationError
-from rolloutfleet_proxy.errors import ProxyError
+from rolloutfleet_proxy.errors import ProxyError, http_error
+from rolloutfleet_proxy.failures import (
+    Failure,
+    SessionBeingWritten,
+    SessionEnded,
+    SessionExists,
+    UnknownSession,
+)
 from rolloutfleet_proxy.heap import HeapTrimmer, resolve_malloc_trim
 from rolloutfleet_proxy.history import EMPTY_DIGEST, InvalidMessage, canonical_message, extend_digest
 from rolloutfleet_proxy.ids import is_valid_session_id, key_digest, key_matches, new_session_id
@@ -133,22 +140,23 @@ async def test_store_detach_skips_busy_and_reports_states():
     await busy.lock.acquire()
     stale = store.detach_stale(time.monotonic(), timeout_s=10)
     assert stale == [idle] and len(store) == 1
-    with pytest.raises(ProxyError) as busy_error:
+    with pytest.raises(SessionBeingWritten) as busy_error:
         store.get("idle-0001")
-    assert busy_error.value.status == 409  # being written
+    answer = http_error(busy_error.value)
+    assert (answer.status, answer.code, answer.headers) == (409, "session_busy", {"Retry-After": "1"})
     store.reattach(idle)
     assert store.get("idle-0001") is idle
     store.detach_stale(time.monotonic(), timeout_s=10)
     store.forget(idle, "dumped")
-    with pytest.raises(ProxyError) as gone:
+    with pytest.raises(SessionEnded) as gone:
         store.get("idle-0001")
-    assert gone.value.status == 410 and "dumped" in gone.value.message
-    with pytest.raises(ProxyError) as unknown:
+    assert http_error(gone.value).status == 410 and "dumped" in gone.value.message
+    with pytest.raises(UnknownSession) as unknown:
         store.get("never-existed")
-    assert unknown.value.status == 404
-    with pytest.raises(ProxyError) as exists:
+    assert http_error(unknown.value).status == 404
+    with pytest.raises(SessionExists) as exists:
         store.add(Session("busy-0001", b"k"))
-    assert exists.value.status == 409
+    assert http_error(exists.value).status == 409
 
 
 async def test_store_tokens_held_and_bounded_tombstones():
@@ -159,18 +167,18 @@ async def test_store_tokens_held_and_bounded_tombstones():
         store.record_growth(record_turn(s, 2, 3))
     assert store.tokens_held == 20
     store.remove("session-000", "deleted")
-    with pytest.raises(ProxyError) as deleted:
+    with pytest.raises(UnknownSession) as deleted:
         store.get("session-000")
-    assert deleted.value.status == 404  # deleted sessions are simply unknown afterwards
+    assert http_error(deleted.value).status == 404  # deleted sessions are simply unknown afterwards
     detached = store.detach_all()
     for s in detached:
         store.forget(s, "dumped")
     assert store.tokens_held == 0
     statuses = []
     for sid in ("session-001", "session-002", "session-003"):
-        with pytest.raises(ProxyError) as ended:
+        with pytest.raises(Failure) as ended:
             store.get(sid)
-        statuses.append(ended.value.status)
+        statuses.append(http_error(ended.value).status)
     assert statuses == [404, 410, 410]  # dumped sessions are remembered, up to the bound
 
 

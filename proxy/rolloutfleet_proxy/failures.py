@@ -1,0 +1,197 @@
+"""Why the store, the export buffer, the generation gate and a turn refuse: domain exceptions.
+
+Each carries its ErrorCode and the facts, and knows no HTTP: `errors.http_error` is the one place
+they become an answer (status, headers). Raising one never changes state.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from rolloutfleet_wire.errors import ErrorCode
+
+
+class Failure(Exception):
+    code: ClassVar[ErrorCode]
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+def _some(ids: list[str], shown: int = 20) -> str:
+    more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
+    return ", ".join(ids[:shown]) + more
+
+
+# --- sessions (the store) -------------------------------------------------------------------------
+
+
+class UnknownSession(Failure):
+    code = ErrorCode.NOT_FOUND
+
+    def __init__(self, session_id: str):
+        super().__init__(f"unknown session {session_id}")
+        self.session_id = session_id
+
+
+class UnknownSessions(Failure):
+    code = ErrorCode.NOT_FOUND
+
+    def __init__(self, session_ids: list[str]):
+        super().__init__(f"unknown session ids: {_some(session_ids)}")
+        self.session_ids = session_ids
+
+
+class SessionExists(Failure):
+    code = ErrorCode.SESSION_EXISTS
+
+    def __init__(self, session_id: str):
+        super().__init__(f"session {session_id} already exists")
+        self.session_id = session_id
+
+
+class SessionBeingWritten(Failure):
+    """Detached for a dump or an export: the next answer is 410, or 200 if the write failed."""
+
+    code = ErrorCode.SESSION_BUSY
+
+    def __init__(self, session_id: str):
+        super().__init__(f"session {session_id} is being written to disk; retry")
+        self.session_id = session_id
+
+
+class SessionLostInRestart(Failure):
+    code = ErrorCode.SESSION_LOST
+
+    def __init__(self, session_id: str, why: str):
+        super().__init__(f"session {session_id} was lost in a restart of this proxy: {why}")
+        self.session_id, self.why = session_id, why
+
+
+class SessionEnded(Failure):
+    code = ErrorCode.SESSION_GONE
+
+    def __init__(self, session_id: str, reason: str | None):
+        super().__init__(f"session {session_id} has ended: {reason}")
+        self.session_id, self.reason = session_id, reason
+
+
+class SessionsNotFinished(Failure):
+    code = ErrorCode.SESSION_NOT_FINISHED
+
+    def __init__(self, session_ids: list[str]):
+        super().__init__(f"sessions not finished (finish them first): {_some(session_ids)}")
+        self.session_ids = session_ids
+
+
+# --- export batches -------------------------------------------------------------------------------
+
+
+class UnknownBatch(Failure):
+    code = ErrorCode.NOT_FOUND
+
+    def __init__(self, batch_id: str):
+        super().__init__(f"unknown export batch {batch_id}")
+        self.batch_id = batch_id
+
+
+class BatchEnded(Failure):
+    """A batch no longer held: `code` says how it left (acknowledged, expired, drained)."""
+
+    def __init__(self, batch_id: str, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.batch_id = batch_id
+        self.code = code  # type: ignore[misc]  # per batch, not per class
+
+
+# --- generation and turns -------------------------------------------------------------------------
+
+
+class ShuttingDown(Failure):
+    """The proxy is draining: nothing was recorded; the work continues on its replacement."""
+
+    code = ErrorCode.DRAINING
+
+
+class PauseOutlasted(Failure):
+    code = ErrorCode.GENERATION_PAUSED
+
+    def __init__(self, max_wait_s: float):
+        super().__init__(
+            f"generation is paused (weights are being updated) and did not resume within "
+            f"{max_wait_s:g}s; nothing was recorded, retry the turn"
+        )
+        self.max_wait_s = max_wait_s
+
+
+class SessionFinished(Failure):
+    code = ErrorCode.SESSION_FINISHED
+
+    def __init__(self, session_id: str):
+        super().__init__(f"session {session_id} is finished")
+        self.session_id = session_id
+
+
+class TurnInFlight(Failure):
+    code = ErrorCode.SESSION_BUSY
+
+    def __init__(self, session_id: str):
+        super().__init__(f"session {session_id} already has a turn in flight")
+        self.session_id = session_id
+
+
+class SessionDeleted(Failure):
+    code = ErrorCode.SESSION_DELETED
+
+    def __init__(self, session_id: str):
+        super().__init__(
+            f"session {session_id} was deleted during this turn; the reply was discarded unrecorded"
+        )
+        self.session_id = session_id
+
+
+class NoNewMessages(Failure):
+    code = ErrorCode.NO_NEW_MESSAGES
+
+    def __init__(self, recorded: int):
+        super().__init__(f"the session has recorded {recorded} messages; send the full history plus new ones")
+        self.recorded = recorded
+
+
+class HistoryMismatch(Failure):
+    code = ErrorCode.HISTORY_MISMATCH
+
+    def __init__(self, recorded: int):
+        super().__init__(
+            f"the first {recorded} messages or the tools differ from what this session recorded "
+            "(send the full history, with assistant replies exactly as returned, and the same tools "
+            "every turn)"
+        )
+        self.recorded = recorded
+
+
+class NewMessagesTooLarge(Failure):
+    code = ErrorCode.NEW_MESSAGES_TOO_LARGE
+
+    def __init__(self, size: int, limit: int):
+        super().__init__(
+            f"the new messages of this turn hold {size} bytes of text; the most is "
+            f"{limit} (max_new_message_bytes)"
+        )
+        self.size, self.limit = size, limit
+
+
+class TemplateFailed(Failure):
+    code = ErrorCode.TEMPLATE_ERROR
+
+
+class UpstreamAborted(Failure):
+    code = ErrorCode.UPSTREAM_ABORTED
+
+    def __init__(self, attempts: int, abort_message: str | None):
+        super().__init__(
+            f"SGLang aborted this turn {attempts} times ({abort_message}); "
+            "nothing was recorded, retry the turn"
+        )
+        self.attempts, self.abort_message = attempts, abort_message
