@@ -29,7 +29,6 @@ class Session:
         "created_at",
         "finished",
         "history_digest",
-        "in_flight",
         "key_digest",
         "last_active",
         "last_output_stopped",
@@ -77,7 +76,6 @@ class Session:
         self.turn_rewards: dict[int, float] | None = None
         self.finished = False
         self.lock = asyncio.Lock()
-        self.in_flight: asyncio.Task | None = None
         self.closed = False
         self.close_reason = ""
         self.last_active = time.monotonic()
