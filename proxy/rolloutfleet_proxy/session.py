@@ -7,7 +7,7 @@ import math
 import time
 from array import array
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NotRequired, TypedDict, Unpack
 
 from rolloutfleet_wire.session_record import (
     RECORD_FIELDS,
@@ -17,6 +17,20 @@ from rolloutfleet_wire.session_record import (
     SessionRecord,
     token_versions,
 )
+
+
+class TurnFields(TypedDict):
+    """What a turn records besides its tokens: Session.append_turn takes them, the journal's turn
+    record carries them."""
+
+    message_count: int  # messages in the history after this turn's reply
+    history_digest: bytes
+    stopped: bool  # the output ended on a stop token
+    stop_token: int | None
+    model_version: NotRequired[int]  # UNKNOWN_VERSION when not given
+    version_changes: NotRequired[Sequence[tuple[int, int]]]  # (output offset, version); none
+    temperature: NotRequired[float]  # UNKNOWN_TEMPERATURE
+    tempered: NotRequired[bool]  # False
 
 
 def _owned(value: Any) -> Any:
@@ -88,23 +102,12 @@ class Session(SessionRecord):
         return now - self.last_active
 
     def append_turn(
-        self,
-        new_input_ids: array,
-        output_ids: array,
-        output_logprobs: array,
-        *,
-        message_count: int,
-        history_digest: bytes,
-        stopped: bool,
-        stop_token: int | None,
-        model_version: int = UNKNOWN_VERSION,
-        version_changes: Sequence[tuple[int, int]] = (),
-        temperature: float = UNKNOWN_TEMPERATURE,
-        tempered: bool = False,
+        self, new_input_ids: array, output_ids: array, output_logprobs: array, **turn: Unpack[TurnFields]
     ) -> int:
         """Record one completed turn, generated under `model_version` from its first output token and
         under each of `version_changes` (offset into output_ids, version) from that offset on;
         returns the number of tokens added. Inputs are validated first."""
+        version_changes = turn.get("version_changes", ())
         if len(output_ids) != len(output_logprobs):
             raise ValueError("output ids and logprobs differ in length")
         if any(not 0 < offset < len(output_ids) for offset, _ in version_changes):
@@ -121,15 +124,15 @@ class Session(SessionRecord):
         self.logprobs.frombytes(bytes(4 * n_in))
         self.logprobs.extend(output_logprobs)
         self.turn_bounds.extend((input_start, output_start, output_start + n_out))
-        self.turn_versions.append(model_version)
+        self.turn_versions.append(turn.get("model_version", UNKNOWN_VERSION))
         for offset, version in version_changes:
             self.version_changes.extend((output_start + offset, version))
-        self.turn_temperatures.append(temperature)
-        self.turn_tempered.append(1 if tempered else 0)
-        self.message_count = message_count
-        self.history_digest = history_digest
-        self.last_output_stopped = stopped
-        self.last_stop_token = stop_token
+        self.turn_temperatures.append(turn.get("temperature", UNKNOWN_TEMPERATURE))
+        self.turn_tempered.append(1 if turn.get("tempered", False) else 0)
+        self.message_count = turn["message_count"]
+        self.history_digest = turn["history_digest"]
+        self.last_output_stopped = turn["stopped"]
+        self.last_stop_token = turn["stop_token"]
         return n_in + n_out
 
     def set_reward(self, value: float, turn: int | None) -> None:
