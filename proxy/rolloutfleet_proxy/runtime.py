@@ -9,13 +9,7 @@ import gc
 import logging
 from typing import Any
 
-from .admission import (
-    AdmissionLimits,
-    accepted_after_version_change,
-    admission_capacity,
-    is_training_step,
-    rebased_accepted,
-)
+from .admission import AdmissionLimits
 from .chat_tokens import TurnTokenizer
 from .cleanup import SessionWriter, StaleSessionCleaner
 from .compaction import Compactor
@@ -27,14 +21,15 @@ from .heap import HeapTrimmer
 from .journal import Journal, StorageHealth, journal_dir
 from .lifecycle import InFlightTurns, Lifecycle
 from .looplag import LoopLagMonitor
+from .model_version import ModelVersions
 from .periodic import PeriodicTask
 from .replies import ReplyBuilder
 from .restore import restore_sessions, restore_state
-from .runtime_stats import admission_stats, runtime_stats
+from .runtime_stats import runtime_stats
 from .session_log import SessionLog
 from .settings import ProxySettings
 from .shutdown import ShutdownWriter
-from .state_file import FLUSH_INTERVAL_S, ProxyState, StateKeeper
+from .state_file import FLUSH_INTERVAL_S, StateKeeper
 from .stats import AdmissionCounters, Counters, Gauges
 from .store import SessionStore
 from .turns import TurnLimits, TurnService
@@ -80,8 +75,13 @@ class ProxyRuntime:
             drop_without_dump=settings.allow_dropping_sessions,
             session_log=self.log,
         )
+        self.versions = ModelVersions(
+            self.generation, self.admission, self.limits, self.store, self.exports.buffer, self.save_state
+        )
         self.state = (
-            StateKeeper(settings.dump_dir, self.persisted_state, self.counters) if settings.dump_dir else None
+            StateKeeper(settings.dump_dir, self.versions.persisted_state, self.counters)
+            if settings.dump_dir
+            else None
         )
         self.trimmer = HeapTrimmer(enabled=settings.trim_heap)
         self.gauges.trim_available = self.trimmer.available
@@ -193,54 +193,11 @@ class ProxyRuntime:
     async def _log_stats(self) -> None:
         log.info("stats", extra={"fields": self.stats()})
 
-    # --- model version, admission -------------------------------------------------------------
-
-    def unconsumed_trajectories(self) -> int:
-        """Trajectories produced and not yet consumed by the trainer: ready, or exported and not acked."""
-        return self.store.ready_count + self.exports.buffer.trajectories
-
-    def admission_capacity(self) -> int | None:
-        return admission_capacity(
-            self.limits, self.generation.model_version, self.admission.accepted, self.store.running
-        )
-
-    def persisted_state(self) -> ProxyState:
-        return ProxyState(
-            model_version=self.generation.model_version,
-            paused=self.generation.paused,
-            enqueued=self.admission.enqueued,
-            accepted=self.admission.accepted,
-            rejected=self.admission.rejected,
-            refused=self.admission.refused,
-        )
+    # --- state file, stats ---------------------------------------------------------------------
 
     async def save_state(self) -> bool:
         """Write the state file now (True when written; also True without a dump directory)."""
         return await self.state.save() if self.state is not None else True
-
-    async def set_model_version(self, version: int) -> dict[str, Any]:
-        old = self.generation.model_version
-        self.admission.accepted = accepted_after_version_change(
-            self.admission.accepted, old, version, self.limits.batch_share, self.unconsumed_trajectories()
-        )
-        self.generation.model_version = version
-        persisted = await self.save_state()
-        return {
-            "previous_model_version": old,
-            "rebased": not is_training_step(old, version),
-            "persisted": persisted,
-        }
-
-    def generation_state(self) -> dict[str, Any]:
-        return {
-            "model_version": self.generation.model_version,
-            "paused": self.generation.paused,
-            "generating_turns": self.generation.generating,
-            "paused_turns": self.generation.waiting,
-        }
-
-    def admission_stats(self) -> dict[str, Any]:
-        return admission_stats(self)
 
     def stats(self) -> dict[str, Any]:
         return runtime_stats(self)
@@ -288,10 +245,7 @@ class ProxyRuntime:
                 self.trimmer,
             )
         await self.exports.restore()
-        # Counting restarts here: anchor `accepted` to the recovered version (lesson 12).
-        self.admission.accepted = rebased_accepted(
-            self.generation.model_version, self.limits.batch_share, self.unconsumed_trajectories()
-        )
+        self.versions.rebase_after_restore()
         for task in self.background.values():
             task.start()
         self._loop_lag_task = asyncio.create_task(self.loop_lag.run(), name="loop-lag-monitor")

@@ -19,7 +19,7 @@ def admission_stats(runtime: ProxyRuntime) -> dict[str, Any]:
         "max_staleness": limits.max_staleness,
         "batch_share": limits.batch_share,
         "max_concurrent_sessions": limits.max_concurrent,
-        "capacity": runtime.admission_capacity(),
+        "capacity": runtime.versions.admission_capacity(),
         "enqueued": admission.enqueued,
         "running": runtime.store.running,
         "accepted": admission.accepted,

@@ -152,7 +152,7 @@ def trainer_router(runtime: ProxyRuntime, require_admin: Callable[[Request], Non
     @router.get("/v1/generation")
     async def generation_state(request: Request) -> Response:
         require_admin(request)
-        return json_response(runtime.generation_state())
+        return json_response(runtime.versions.generation_state())
 
     @router.get("/v1/generation/model_version")
     async def get_model_version(request: Request) -> Response:
@@ -164,7 +164,7 @@ def trainer_router(runtime: ProxyRuntime, require_admin: Callable[[Request], Non
         require_admin(request)
         version = parse_model_version(json_body(await request.body()))
         refuse_while_draining()
-        change = await runtime.set_model_version(version)
+        change = await runtime.versions.set_model_version(version)
         return json_response({"model_version": runtime.generation.model_version, **change})
 
     @router.post("/v1/generation/pause")
@@ -179,7 +179,7 @@ def trainer_router(runtime: ProxyRuntime, require_admin: Callable[[Request], Non
             # Turns that passed the gate before the pause finish; wait for them, up to wait_s.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(runtime.generation.idle.wait(), wait_s)
-        return json_response({**runtime.generation_state(), "persisted": persisted})
+        return json_response({**runtime.versions.generation_state(), "persisted": persisted})
 
     @router.post("/v1/generation/resume")
     async def resume(request: Request) -> Response:
@@ -187,6 +187,6 @@ def trainer_router(runtime: ProxyRuntime, require_admin: Callable[[Request], Non
         refuse_while_draining()
         runtime.generation.resume()
         persisted = await runtime.save_state()
-        return json_response({**runtime.generation_state(), "persisted": persisted})
+        return json_response({**runtime.versions.generation_state(), "persisted": persisted})
 
     return router
