@@ -64,10 +64,12 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
     async def _unexpected(_request: Request, exc: Exception) -> Response:
         return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
-    app.include_router(session_router(runtime, settings, auth))
+    # The routers' routes join the app's own table, flat and in this order: FastAPI's include_router
+    # would add a lazily resolved branch that every request (the chat turn too) walks through.
+    app.router.routes.extend(session_router(runtime, settings, auth).routes)
     app.router.routes.append(chat_route(runtime, settings, auth))  # plain Starlette: the hot path
-    app.include_router(trainer_router(runtime, auth.require_admin))
-    app.include_router(operation_router(runtime, settings, auth.require_admin))
+    app.router.routes.extend(trainer_router(runtime, auth.require_admin).routes)
+    app.router.routes.extend(operation_router(runtime, settings, auth.require_admin).routes)
 
     app.add_middleware(
         RequestMiddleware,
