@@ -18,9 +18,12 @@ import struct
 import zlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Unpack
 
 import orjson
+from rolloutfleet_wire.session_record import UNKNOWN_TEMPERATURE, UNKNOWN_VERSION
+
+from .session import TurnFields
 
 MAGIC = b"RFJ1"
 _FRAME = struct.Struct("<4sII")  # magic, payload length, crc32
@@ -86,33 +89,41 @@ def turn_record(
     new_input_ids: array,
     output_ids: array,
     output_logprobs: array,
-    *,
-    message_count: int,
-    history_digest: bytes,
-    stopped: bool,
-    stop_token: int | None,
-    model_version: int,
-    version_changes: list[tuple[int, int]],
-    temperature: float,
-    tempered: bool,
+    **turn: Unpack[TurnFields],
 ) -> bytes:
+    temperature = turn.get("temperature", UNKNOWN_TEMPERATURE)
     header = {
         "sid": session_id,
         "inc": incarnation(key_digest),
         "turn": turn_index,
         "n_in": len(new_input_ids),
         "n_out": len(output_ids),
-        "message_count": message_count,
-        "digest": history_digest.hex(),
-        "stopped": stopped,
-        "stop_token": stop_token,
-        "version": model_version,
-        "changes": [list(c) for c in version_changes],
+        "message_count": turn["message_count"],
+        "digest": turn["history_digest"].hex(),
+        "stopped": turn["stopped"],
+        "stop_token": turn["stop_token"],
+        "version": turn.get("model_version", UNKNOWN_VERSION),
+        "changes": [list(c) for c in turn.get("version_changes", ())],
         "temperature": None if math.isnan(temperature) else temperature,
-        "tempered": tempered,
+        "tempered": turn.get("tempered", False),
     }
     body = new_input_ids.tobytes() + output_ids.tobytes() + output_logprobs.tobytes()
     return frame(TURN, header, body)
+
+
+def turn_fields(header: dict[str, Any]) -> TurnFields:
+    """A turn record's fields back from its header; KeyError, TypeError or ValueError if malformed."""
+    temperature = header.get("temperature")
+    return TurnFields(
+        message_count=int(header["message_count"]),
+        history_digest=bytes.fromhex(header["digest"]),
+        stopped=bool(header["stopped"]),
+        stop_token=header.get("stop_token"),
+        model_version=int(header["version"]),
+        version_changes=[(int(o), int(v)) for o, v in header.get("changes") or []],
+        temperature=UNKNOWN_TEMPERATURE if temperature is None else float(temperature),
+        tempered=bool(header.get("tempered")),
+    )
 
 
 def reward_record(session_id: str, key_digest: bytes, value: float, turn: int | None) -> bytes:

@@ -54,7 +54,7 @@ class DrainingServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.runtime.gauges.draining and sig == signal.SIGINT:
+        if self.runtime.lifecycle.draining and sig == signal.SIGINT:
             self.force_exit = True
             self.should_exit = True
             return
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     server = DrainingServer(config, runtime)
     server.run()
-    if runtime.gauges.draining and runtime.drain_ok is not True:
+    if runtime.lifecycle.lost_sessions:
         log.critical("exiting with sessions that could not be written")
         return 1
     if not server.started:

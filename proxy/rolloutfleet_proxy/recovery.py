@@ -18,7 +18,6 @@ from pathlib import Path
 
 import numpy as np
 import orjson
-from rolloutfleet_wire.session_record import UNKNOWN_TEMPERATURE
 
 from .dumps import (
     LIVE_AREA,
@@ -31,7 +30,7 @@ from .dumps import (
 )
 from .ids import is_valid_session_id
 from .journal import journal_dir, list_segments
-from .journal_records import CREATE, END, FINISH, REWARD, TURN, Record, incarnation, scan
+from .journal_records import CREATE, END, FINISH, REWARD, TURN, Record, incarnation, scan, turn_fields
 from .session import Session
 
 log = logging.getLogger("rolloutfleet.proxy.recovery")
@@ -109,21 +108,8 @@ class Replay:
         if problem:
             self._lose(session, f"turn {index} holds {problem}")
             return
-        temperature = h.get("temperature")
         try:
-            session.append_turn(
-                body.new_input_ids,
-                body.output_ids,
-                body.output_logprobs,
-                message_count=int(h["message_count"]),
-                history_digest=bytes.fromhex(h["digest"]),
-                stopped=bool(h["stopped"]),
-                stop_token=h.get("stop_token"),
-                model_version=int(h["version"]),
-                version_changes=[(int(o), int(v)) for o, v in h.get("changes") or []],
-                temperature=UNKNOWN_TEMPERATURE if temperature is None else float(temperature),
-                tempered=bool(h.get("tempered")),
-            )
+            session.append_turn(body.new_input_ids, body.output_ids, body.output_logprobs, **turn_fields(h))
         except (KeyError, TypeError, ValueError) as exc:
             self._lose(session, f"turn {index} cannot be applied: {exc}")
 

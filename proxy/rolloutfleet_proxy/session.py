@@ -7,11 +7,10 @@ import math
 import time
 from array import array
 from collections.abc import Sequence
-from dataclasses import replace
-from typing import Any
+from typing import Any, NotRequired, TypedDict, Unpack
 
 from rolloutfleet_wire.session_record import (
-    EMPTY_DIGEST,
+    RECORD_FIELDS,
     TURN_BOUND_FIELDS,
     UNKNOWN_TEMPERATURE,
     UNKNOWN_VERSION,
@@ -20,35 +19,40 @@ from rolloutfleet_wire.session_record import (
 )
 
 
-class Session:
-    """Live state of a session. Mutated only while its lock is held (turns) or after it is detached."""
+class TurnFields(TypedDict):
+    """What a turn records besides its tokens: Session.append_turn takes them, the journal's turn
+    record carries them."""
 
-    __slots__ = (
-        "close_reason",
-        "closed",
-        "created_at",
-        "finished",
-        "history_digest",
-        "in_flight",
-        "key_digest",
-        "last_active",
-        "last_output_stopped",
-        "last_stop_token",
-        "lock",
-        "logprobs",
-        "loss_mask",
-        "message_count",
-        "metadata",
-        "reward",
-        "session_id",
-        "token_ids",
-        "turn_bounds",
-        "turn_rewards",
-        "turn_temperatures",
-        "turn_tempered",
-        "turn_versions",
-        "version_changes",
-    )
+    message_count: int  # messages in the history after this turn's reply
+    history_digest: bytes
+    stopped: bool  # the output ended on a stop token
+    stop_token: int | None
+    model_version: NotRequired[int]  # UNKNOWN_VERSION when not given
+    version_changes: NotRequired[Sequence[tuple[int, int]]]  # (output offset, version); none
+    temperature: NotRequired[float]  # UNKNOWN_TEMPERATURE
+    tempered: NotRequired[bool]  # False
+
+
+def _owned(value: Any) -> Any:
+    """A copy of a mutable field value (arrays are a memcpy each); immutable values as they are."""
+    if isinstance(value, array):
+        return array(value.typecode, value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
+
+
+class Session(SessionRecord):
+    """Live state of a session: its persistent record (the fields of SessionRecord, declared there
+    only) and what lives only in this process. Mutated only while its lock is held (turns) or after it
+    is detached. Unlike a record, a session compares by identity."""
+
+    __slots__ = ("close_reason", "closed", "last_active", "lock")
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    # Per-turn rewards are rare: None rather than an empty dict per session (the record holds a dict).
+    turn_rewards: dict[int, float] | None  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -57,30 +61,27 @@ class Session:
         metadata: dict[str, Any] | None = None,
         created_at: float | None = None,
     ):
-        self.session_id = session_id
-        self.key_digest = key_digest
-        self.metadata = metadata or {}
-        self.created_at = time.time() if created_at is None else created_at
-        self.token_ids = array("i")
-        self.loss_mask = array("B")
-        self.logprobs = array("f")
-        self.turn_bounds = array("i")
-        self.turn_versions = array("i")
-        self.version_changes = array("i")
-        self.turn_temperatures = array("f")
-        self.turn_tempered = array("B")
-        self.message_count = 0
-        self.history_digest = EMPTY_DIGEST
-        self.last_output_stopped = False
-        self.last_stop_token: int | None = None
-        self.reward: float | None = None
-        self.turn_rewards: dict[int, float] | None = None
-        self.finished = False
+        super().__init__(
+            session_id=session_id,
+            key_digest=key_digest,
+            created_at=time.time() if created_at is None else created_at,
+            metadata=metadata or {},
+            token_ids=array("i"),
+            loss_mask=array("B"),
+            logprobs=array("f"),
+            turn_bounds=array("i"),
+        )
+        self.turn_rewards = None
+        self._start_live()
+
+    def _start_live(self) -> None:
         self.lock = asyncio.Lock()
-        self.in_flight: asyncio.Task | None = None
         self.closed = False
         self.close_reason = ""
         self.last_active = time.monotonic()
+
+    def __repr__(self) -> str:
+        return f"Session({self.session_id!r}, turns={self.num_turns}, tokens={self.num_tokens})"
 
     @property
     def num_tokens(self) -> int:
@@ -101,23 +102,12 @@ class Session:
         return now - self.last_active
 
     def append_turn(
-        self,
-        new_input_ids: array,
-        output_ids: array,
-        output_logprobs: array,
-        *,
-        message_count: int,
-        history_digest: bytes,
-        stopped: bool,
-        stop_token: int | None,
-        model_version: int = UNKNOWN_VERSION,
-        version_changes: Sequence[tuple[int, int]] = (),
-        temperature: float = UNKNOWN_TEMPERATURE,
-        tempered: bool = False,
+        self, new_input_ids: array, output_ids: array, output_logprobs: array, **turn: Unpack[TurnFields]
     ) -> int:
         """Record one completed turn, generated under `model_version` from its first output token and
         under each of `version_changes` (offset into output_ids, version) from that offset on;
         returns the number of tokens added. Inputs are validated first."""
+        version_changes = turn.get("version_changes", ())
         if len(output_ids) != len(output_logprobs):
             raise ValueError("output ids and logprobs differ in length")
         if any(not 0 < offset < len(output_ids) for offset, _ in version_changes):
@@ -134,15 +124,15 @@ class Session:
         self.logprobs.frombytes(bytes(4 * n_in))
         self.logprobs.extend(output_logprobs)
         self.turn_bounds.extend((input_start, output_start, output_start + n_out))
-        self.turn_versions.append(model_version)
+        self.turn_versions.append(turn.get("model_version", UNKNOWN_VERSION))
         for offset, version in version_changes:
             self.version_changes.extend((output_start + offset, version))
-        self.turn_temperatures.append(temperature)
-        self.turn_tempered.append(1 if tempered else 0)
-        self.message_count = message_count
-        self.history_digest = history_digest
-        self.last_output_stopped = stopped
-        self.last_stop_token = stop_token
+        self.turn_temperatures.append(turn.get("temperature", UNKNOWN_TEMPERATURE))
+        self.turn_tempered.append(1 if turn.get("tempered", False) else 0)
+        self.message_count = turn["message_count"]
+        self.history_digest = turn["history_digest"]
+        self.last_output_stopped = turn["stopped"]
+        self.last_stop_token = turn["stop_token"]
         return n_in + n_out
 
     def set_reward(self, value: float, turn: int | None) -> None:
@@ -159,45 +149,17 @@ class Session:
 
     def to_record(self) -> SessionRecord:
         """Snapshot for a dump. Shares the arrays: only call on a detached or locked session."""
-        return SessionRecord(
-            session_id=self.session_id,
-            key_digest=self.key_digest,
-            created_at=self.created_at,
-            metadata=self.metadata,
-            token_ids=self.token_ids,
-            loss_mask=self.loss_mask,
-            logprobs=self.logprobs,
-            turn_bounds=self.turn_bounds,
-            turn_versions=self.turn_versions,
-            version_changes=self.version_changes,
-            turn_temperatures=self.turn_temperatures,
-            turn_tempered=self.turn_tempered,
-            message_count=self.message_count,
-            history_digest=self.history_digest,
-            last_output_stopped=self.last_output_stopped,
-            last_stop_token=self.last_stop_token,
-            reward=self.reward,
-            turn_rewards=dict(self.turn_rewards or {}),
-            finished=self.finished,
-        )
+        values = {name: getattr(self, name) for name in RECORD_FIELDS}
+        values["turn_rewards"] = dict(self.turn_rewards or {})
+        return SessionRecord(**values)
 
     def copied_record(self) -> SessionRecord:
         """A snapshot that owns its arrays (a memcpy each): safe to serialize in a worker thread while
         the session goes on taking turns. Every mutation is synchronous, so a copy made on the event
         loop is always of a whole state."""
-        record = self.to_record()
-        return replace(
-            record,
-            metadata=dict(record.metadata),
-            token_ids=array("i", record.token_ids),
-            loss_mask=array("B", record.loss_mask),
-            logprobs=array("f", record.logprobs),
-            turn_bounds=array("i", record.turn_bounds),
-            turn_versions=array("i", record.turn_versions),
-            version_changes=array("i", record.version_changes),
-            turn_temperatures=array("f", record.turn_temperatures),
-            turn_tempered=array("B", record.turn_tempered),
-        )
+        values = {name: _owned(getattr(self, name)) for name in RECORD_FIELDS}
+        values["turn_rewards"] = dict(self.turn_rewards or {})
+        return SessionRecord(**values)
 
     def mark(self) -> tuple:
         """What `rollback` restores: the state before a turn is appended."""
@@ -238,22 +200,11 @@ class Session:
 
     @classmethod
     def from_record(cls, record: SessionRecord) -> Session:
-        session = cls(record.session_id, record.key_digest, record.metadata, record.created_at)
-        session.token_ids = record.token_ids
-        session.loss_mask = record.loss_mask
-        session.logprobs = record.logprobs
-        session.turn_bounds = record.turn_bounds
-        session.turn_versions = record.turn_versions
-        session.version_changes = record.version_changes
-        session.turn_temperatures = record.turn_temperatures
-        session.turn_tempered = record.turn_tempered
-        session.message_count = record.message_count
-        session.history_digest = record.history_digest
-        session.last_output_stopped = record.last_output_stopped
-        session.last_stop_token = record.last_stop_token
-        session.reward = record.reward
+        """The session a record holds; it takes over the record's arrays."""
+        session = cls.__new__(cls)
+        SessionRecord.__init__(session, **{name: getattr(record, name) for name in RECORD_FIELDS})
         session.turn_rewards = dict(record.turn_rewards) or None
-        session.finished = record.finished
+        session._start_live()
         return session
 
     def summary(self) -> dict[str, Any]:
@@ -277,7 +228,7 @@ class Session:
             "logprobs": self.logprobs.tolist(),
             "turns": [list(t) for t in self.turns()],
             "turn_versions": self.turn_versions.tolist(),
-            "versions": token_versions(self.to_record()).tolist(),
+            "versions": token_versions(self).tolist(),
             "turn_temperatures": [None if math.isnan(t) else t for t in self.turn_temperatures],
             "turn_tempered": [bool(t) for t in self.turn_tempered],
         }

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 from array import array
-from collections.abc import Sequence
+from typing import Unpack
 
 from . import journal_records as records
 from .journal import Journal, StorageHealth
-from .session import Session
+from .session import Session, TurnFields
 
 
 class SessionLog:
@@ -49,15 +49,7 @@ class SessionLog:
         new_input_ids: array,
         output_ids: array,
         output_logprobs: array,
-        *,
-        message_count: int,
-        history_digest: bytes,
-        stopped: bool,
-        stop_token: int | None,
-        model_version: int,
-        version_changes: Sequence[tuple[int, int]],
-        temperature: float,
-        tempered: bool,
+        **turn: Unpack[TurnFields],
     ) -> asyncio.Future | None:
         return self._append(
             lambda: records.turn_record(
@@ -67,14 +59,7 @@ class SessionLog:
                 new_input_ids,
                 output_ids,
                 output_logprobs,
-                message_count=message_count,
-                history_digest=history_digest,
-                stopped=stopped,
-                stop_token=stop_token,
-                model_version=model_version,
-                version_changes=list(version_changes),
-                temperature=temperature,
-                tempered=tempered,
+                **turn,
             )
         )
 

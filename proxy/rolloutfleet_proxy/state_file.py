@@ -105,9 +105,7 @@ class StateKeeper:
             self._written = state
             return True
 
-    async def run(self) -> None:
-        """Background flush: counters change with every session, too often for a write each."""
-        while True:
-            await asyncio.sleep(FLUSH_INTERVAL_S)
-            if self._snapshot() != self._written:
-                await self.save()
+    async def flush_if_changed(self) -> None:
+        """The background flush (every FLUSH_INTERVAL_S): writes only when something moved."""
+        if self._snapshot() != self._written:
+            await self.save()

@@ -72,10 +72,8 @@ class AdmissionCounters:
 class Gauges:
     """Point-in-time values the app updates as it works."""
 
-    inflight_turns: int = 0
     request_bytes_in_flight: int = 0
     last_cleanup_seconds: float = 0.0
-    draining: bool = False
     trim_available: bool = False
 
 
@@ -98,7 +96,14 @@ _started = time.time()
 
 
 def build_stats(
-    counters: Counters, gauges: Gauges, live_sessions: int, detached_sessions: int, tokens_held: int
+    counters: Counters,
+    gauges: Gauges,
+    live_sessions: int,
+    detached_sessions: int,
+    tokens_held: int,
+    *,
+    inflight_turns: int = 0,
+    draining: bool = False,
 ) -> dict[str, Any]:
     memory = _process.memory_info()
     return {
@@ -109,9 +114,9 @@ def build_stats(
         "live_sessions": live_sessions,
         "sessions_being_written": detached_sessions,
         "tokens_held": tokens_held,
-        "inflight_turns": gauges.inflight_turns,
+        "inflight_turns": inflight_turns,
         "request_bytes_in_flight": gauges.request_bytes_in_flight,
-        "draining": gauges.draining,
+        "draining": draining,
         "last_cleanup_seconds": gauges.last_cleanup_seconds,
         "trim_available": gauges.trim_available,
         "totals": asdict(counters),

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from rolloutfleet_wire.errors import ErrorCode
 from rolloutfleet_wire.export_format import MEDIA_TYPE, batch_json
 from starlette.responses import Response
@@ -91,11 +91,12 @@ async def batch_response(batch: ExportBatch, as_json: bool, status: int = 200) -
     return Response(data, status_code=status, headers=headers, media_type=MEDIA_TYPE)
 
 
-def add_trainer_routes(app: FastAPI, runtime: ProxyRuntime, require_admin: Callable[[Request], None]) -> None:
+def trainer_router(runtime: ProxyRuntime, require_admin: Callable[[Request], None]) -> APIRouter:
+    router = APIRouter()
     exports = runtime.exports
 
     def refuse_while_draining() -> None:
-        if runtime.gauges.draining:
+        if runtime.lifecycle.draining:
             raise draining("the proxy is shutting down; its batches and state continue on its replacement")
 
     def valid_batch_id(batch_id: str) -> None:
@@ -104,7 +105,7 @@ def add_trainer_routes(app: FastAPI, runtime: ProxyRuntime, require_admin: Calla
 
     # --- exports ---------------------------------------------------------------------------------
 
-    @app.post("/v1/exports", status_code=201)
+    @router.post("/v1/exports", status_code=201)
     async def create_export(request: Request) -> Response:
         require_admin(request)
         as_json = wants_json(request)
@@ -116,7 +117,7 @@ def add_trainer_routes(app: FastAPI, runtime: ProxyRuntime, require_admin: Calla
             return Response(status_code=204)
         return await batch_response(batch, as_json, 201)
 
-    @app.get("/v1/exports")
+    @router.get("/v1/exports")
     async def list_exports(request: Request) -> Response:
         require_admin(request)
         refuse_while_draining()
@@ -126,7 +127,7 @@ def add_trainer_routes(app: FastAPI, runtime: ProxyRuntime, require_admin: Calla
             {"total": len(batches), "bytes": exports.buffer.bytes, "batches": batches, "ttl_s": exports.ttl_s}
         )
 
-    @app.get("/v1/exports/{batch_id}")
+    @router.get("/v1/exports/{batch_id}")
     async def get_export(batch_id: str, request: Request) -> Response:
         require_admin(request)
         as_json = wants_json(request)
@@ -134,7 +135,7 @@ def add_trainer_routes(app: FastAPI, runtime: ProxyRuntime, require_admin: Calla
         refuse_while_draining()
         return await batch_response(exports.buffer.get(batch_id), as_json)
 
-    @app.post("/v1/exports/{batch_id}/ack")
+    @router.post("/v1/exports/{batch_id}/ack")
     async def acknowledge_export(batch_id: str, request: Request) -> Response:
         require_admin(request)
         valid_batch_id(batch_id)
@@ -147,25 +148,25 @@ def add_trainer_routes(app: FastAPI, runtime: ProxyRuntime, require_admin: Calla
 
     # --- model version, pause --------------------------------------------------------------------
 
-    @app.get("/v1/generation")
+    @router.get("/v1/generation")
     async def generation_state(request: Request) -> Response:
         require_admin(request)
-        return json_response(runtime.generation_state())
+        return json_response(runtime.versions.generation_state())
 
-    @app.get("/v1/generation/model_version")
+    @router.get("/v1/generation/model_version")
     async def get_model_version(request: Request) -> Response:
         require_admin(request)
         return json_response({"model_version": runtime.generation.model_version})
 
-    @app.put("/v1/generation/model_version")
+    @router.put("/v1/generation/model_version")
     async def set_model_version(request: Request) -> Response:
         require_admin(request)
         version = parse_model_version(json_body(await request.body()))
         refuse_while_draining()
-        change = await runtime.set_model_version(version)
+        change = await runtime.versions.set_model_version(version)
         return json_response({"model_version": runtime.generation.model_version, **change})
 
-    @app.post("/v1/generation/pause")
+    @router.post("/v1/generation/pause")
     async def pause(request: Request, wait_s: float = 0.0) -> Response:
         require_admin(request)
         if not math.isfinite(wait_s) or not 0 <= wait_s <= MAX_PAUSE_WAIT_S:
@@ -177,12 +178,14 @@ def add_trainer_routes(app: FastAPI, runtime: ProxyRuntime, require_admin: Calla
             # Turns that passed the gate before the pause finish; wait for them, up to wait_s.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(runtime.generation.idle.wait(), wait_s)
-        return json_response({**runtime.generation_state(), "persisted": persisted})
+        return json_response({**runtime.versions.generation_state(), "persisted": persisted})
 
-    @app.post("/v1/generation/resume")
+    @router.post("/v1/generation/resume")
     async def resume(request: Request) -> Response:
         require_admin(request)
         refuse_while_draining()
         runtime.generation.resume()
         persisted = await runtime.save_state()
-        return json_response({**runtime.generation_state(), "persisted": persisted})
+        return json_response({**runtime.versions.generation_state(), "persisted": persisted})
+
+    return router

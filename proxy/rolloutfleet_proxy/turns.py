@@ -43,11 +43,12 @@ from .failures import (
 )
 from .generation import GenerationControl
 from .history import extend_canonical_digest, extend_digest, tools_digest
+from .lifecycle import InFlightTurns
 from .openai_format import ChatRequest
 from .replies import Reply, ReplyBuilder
 from .session import Session
 from .session_log import SessionLog
-from .stats import Counters, Gauges
+from .stats import Counters
 from .store import SessionStore
 from .upstream import Generation, SGLangClient
 
@@ -93,7 +94,7 @@ class TurnService:
         tokenizer: TurnTokenizer,
         upstream: SGLangClient,
         counters: Counters,
-        gauges: Gauges,
+        in_flight: InFlightTurns,
         generation: GenerationControl,
         replies: ReplyBuilder,
         engine_logprobs: str = "tempered",
@@ -111,12 +112,9 @@ class TurnService:
         self._tokenizer = tokenizer
         self._upstream = upstream
         self._counters = counters
-        self._gauges = gauges
-        # Set whenever no turn holds a session lock, from its start to its journal commit (the drain
-        # waits on it: a session whose turn is still committing would be skipped by the drain).
-        self.turns_done = asyncio.Event()
-        self.turns_done.set()
-        self._active_turns = 0
+        # Every turn counts from its start to its journal commit (the drain waits for them: a session
+        # whose turn is still committing would be skipped by the drain).
+        self._in_flight = in_flight
 
     def new_input_ids(self, session: Session, request: ChatRequest) -> tuple[array, str, bytes]:
         """Ids to append for this request's new messages, their rendered text, and the history digest
@@ -161,7 +159,7 @@ class TurnService:
                 self._after_large_turn()  # the tokenizer's native buffers were freed: give them back
 
     async def run_turn(self, session: Session, request: ChatRequest, timings: dict[str, float]) -> TurnResult:
-        if self._gauges.draining:
+        if self._in_flight.closed:
             raise ShuttingDown("the proxy is shutting down; retry on its replacement")
         if session.finished:
             raise SessionFinished(session.session_id)
@@ -171,14 +169,8 @@ class TurnService:
         if self._log is not None:
             self._log.require_writable("this turn was not run")
         t_lock = time.perf_counter()
-        self._active_turns += 1
-        self.turns_done.clear()
-        try:
+        with self._in_flight.turn():
             return await self._locked_turn(session, request, timings, t_lock)
-        finally:
-            self._active_turns -= 1
-            if self._active_turns == 0:
-                self.turns_done.set()
 
     async def _locked_turn(
         self, session: Session, request: ChatRequest, timings: dict[str, float], t_lock: float
@@ -277,13 +269,10 @@ class TurnService:
     ) -> tuple[MergedTurn, float]:
         # One task for the wait at the gate and the call: a DELETE or the drain cancels either.
         task = asyncio.create_task(self._generate(prompt, sampling, session))
-        session.in_flight = task
-        self._gauges.inflight_turns += 1
         try:
-            await asyncio.wait({task})
+            with self._in_flight.generation(session, task):
+                await asyncio.wait({task})
         finally:
-            session.in_flight = None
-            self._gauges.inflight_turns -= 1
             if not task.done():
                 task.cancel()  # our own request was cancelled (client gone, shutdown): nothing is recorded
         if task.cancelled() or session.closed:

@@ -224,7 +224,7 @@ async def test_cleanup_loop_survives_a_failing_cycle(tmp_path: Path):
         return 0
 
     runtime.cleaner.run_once = flaky_cycle
-    loop_task = asyncio.create_task(runtime._cleanup_loop())
+    loop_task = asyncio.create_task(runtime.background["stale-session-cleanup"].run())
     for _ in range(200):
         if len(calls) >= 3:
             break

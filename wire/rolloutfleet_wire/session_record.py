@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import bisect
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # The digest of an empty message history (a session before its first turn).
@@ -24,9 +24,11 @@ UNKNOWN_TEMPERATURE = float("nan")
 VERSION_CHANGE_FIELDS = 2
 
 
-@dataclass
+# Slots: the proxy's live Session extends this record, and it holds many sessions.
+@dataclass(slots=True)
 class SessionRecord:
-    """Everything persistent about a session; what dumps write and restores read."""
+    """Everything persistent about a session; what dumps write and restores read. A new persistent
+    field is added here (and to the dump and journal formats that carry it)."""
 
     session_id: str
     key_digest: bytes
@@ -47,6 +49,10 @@ class SessionRecord:
     reward: float | None = None
     turn_rewards: dict[int, float] = field(default_factory=dict)
     finished: bool = False
+
+
+# The persistent fields, in declaration order.
+RECORD_FIELDS = tuple(f.name for f in fields(SessionRecord))
 
 
 def token_versions(record: SessionRecord) -> array:

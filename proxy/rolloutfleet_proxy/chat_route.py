@@ -1,0 +1,68 @@
+"""`POST /v1/sessions/{id}/chat/completions`, the OpenAI-compatible turn: the hot path.
+
+A plain Starlette route on purpose: FastAPI's dependency solving costs every turn CPU."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from .openai_format import (
+    Completion,
+    completion_body,
+    completion_sse,
+    json_body,
+    logprobs_content,
+    parse_chat_request,
+)
+from .route_auth import RouteAuth
+from .runtime import ProxyRuntime
+from .settings import ProxySettings
+
+CHAT_PATH = "/v1/sessions/{session_id}/chat/completions"
+
+
+def chat_route(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAuth) -> Route:
+    authorized_session = auth.authorized_session
+
+    async def read_json(request: Request):
+        return json_body(await request.body())
+
+    async def chat(request: Request) -> Response:
+        session_id = request.path_params["session_id"]
+        authorized_session(request, session_id)  # 401/404 before the body is even read
+        body = await read_json(request)
+        chat_request = parse_chat_request(
+            body, settings.default_max_tokens, settings.chat_template_kwargs, settings.tool_call_parser
+        )
+        # Looked up again after the await: from here to taking the session lock nothing yields,
+        # so cleanup cannot detach the session in between.
+        session = authorized_session(request, session_id)
+        assert runtime.turns is not None and runtime.tokenizer is not None
+        timings = request.scope["state"].setdefault("timings", {})
+        result = await runtime.turns.run_turn(session, chat_request, timings)
+        gen = result.generation
+        logprobs = None
+        if chat_request.logprobs:
+            logprobs = logprobs_content(
+                runtime.tokenizer.token_strings(gen.output_ids), gen.logprobs.tolist()
+            )
+        completion = Completion(
+            completion_id=f"chatcmpl-{session_id}-{result.turn_index}",
+            model=settings.model_name,
+            reply=result.reply,
+            finish=gen.finish_reason,
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=len(gen.output_ids),
+            logprobs=logprobs,
+            extra={"session_id": session_id, "turn": result.turn_index},
+        )
+        if chat_request.stream:
+            return StreamingResponse(
+                completion_sse(completion, chat_request.include_usage),
+                media_type="text/event-stream",
+            )
+        return Response(completion_body(completion), media_type="application/json")
+
+    return Route(CHAT_PATH, chat, methods=["POST"])

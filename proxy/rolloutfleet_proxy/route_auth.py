@@ -1,0 +1,48 @@
+"""Who may call a route: the admin key, or a session's own key (which also finds the session)."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import Request
+
+from .errors import draining, invalid_session_id, unauthorized
+from .ids import is_valid_session_id, key_digest, key_matches
+from .runtime import ProxyRuntime
+from .session import Session
+
+
+def bearer_key(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    if header[:7].lower() == "bearer " and header[7:].strip():
+        return header[7:].strip()
+    return None
+
+
+class RouteAuth:
+    def __init__(self, runtime: ProxyRuntime, admin_key: str):
+        self._runtime = runtime
+        self._admin_digest = key_digest(admin_key)
+
+    def is_admin(self, key: str) -> bool:
+        return hmac.compare_digest(key_digest(key), self._admin_digest)
+
+    def require_admin(self, request: Request) -> None:
+        key = bearer_key(request)
+        if key is None or not self.is_admin(key):
+            raise unauthorized("this route needs the admin key")
+
+    def authorized_session(self, request: Request, session_id: str) -> Session:
+        runtime = self._runtime
+        key = bearer_key(request)
+        if key is None:
+            raise unauthorized()
+        if not is_valid_session_id(session_id):
+            raise invalid_session_id()
+        if runtime.lifecycle.draining:  # before the lookup: drained sessions are no longer in the store
+            raise draining("the proxy is shutting down; its sessions continue on its replacement")
+        session = runtime.store.get(session_id)
+        if not (key_matches(key, session.key_digest) or self.is_admin(key)):
+            raise unauthorized("the key does not belong to this session")
+        session.touch()
+        return session
