@@ -17,9 +17,9 @@ rollout started now is trained on at the latest `max_staleness` versions later o
 Each proxy applies the bound to its own share of the batch (`batch_share`, batch / replicas).
 
 The arithmetic only holds while `accepted` is anchored to the version: a counter that restarts at
-0 while the version is 268 admits (max_staleness + 269) * batch rollouts at once (lesson 12). So
-whenever counting (re)starts, `accepted` is *rebased* to `version * share` plus the trajectories
-produced but not yet consumed (see `rebased_accepted`).
+0 while the version is 268 admits (max_staleness + 269) * batch rollouts at once (a public RL
+proxy shipped that bug). So whenever counting (re)starts, `accepted` is *rebased* to
+`version * share` plus the trajectories produced but not yet consumed (see `rebased_accepted`).
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ class ModelVersions:
         )
 
     def rebase_after_restore(self) -> None:
-        # Counting restarts here: anchor `accepted` to the recovered version (lesson 12).
+        # Counting restarts here: anchor `accepted` to the recovered version (a counter restarted
+        # at 0 would admit far past the staleness bound).
         self._admission.accepted = rebased_accepted(
             self._generation.model_version, self._limits.batch_share, self.unconsumed_trajectories()
         )

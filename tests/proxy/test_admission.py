@@ -37,7 +37,7 @@ from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
         (2, 10, 4, 40, 0, 12),  # accepted kept pace with the version: the same room as at 0
         (2, 10, 4, 52, 0, 0),  # ran ahead by max_staleness batches: no room until the next version
         (2, 10, 4, 50, 7, -5),  # over the bound (restored sessions can do that): still refused
-        (2, 268, 4, 0, 0, 1084),  # lesson 12: a counter restarted at 0 at version 268
+        (2, 268, 4, 0, 0, 1084),  # a counter restarted at 0 at version 268
         (2, 268, 4, 1072, 5, 7),  # the same after the rebase, with 5 rollouts running
         (1, 0, 0, 0, 0, 2),  # a share below 1 counts as 1
     ],
@@ -244,7 +244,7 @@ def test_restart_at_version_268_keeps_capacity_bounded(fast_upstream_url, test_t
         assert [create(second).status_code for _ in range(6)] == [201] * 6
         assert_refused(create(second))
 
-    # A predecessor whose counter restarted at 0 (lesson 12) cannot inflate the successor's capacity.
+    # A predecessor whose counter restarted at 0 cannot inflate the successor's capacity.
     (dumps / STATE_FILE).write_bytes(orjson.dumps({**state, "accepted": 0}))
     with running_proxy(fast_upstream_url, test_tokenizer_dir, dumps, **limits) as third:
         admission = third.stats()["admission"]
