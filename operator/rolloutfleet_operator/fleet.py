@@ -1,9 +1,9 @@
 """A typed, read-only view of a RolloutFleet object, and the names and labels of its children.
 
 `parse_fleet` takes the object as the API returns it (a camelCase dict). The API server has
-applied the CRD's defaults already; the same defaults are repeated here (DEFAULTS below; a test
-checks them against the CRD) so a partial object, e.g. from a test or an older stored version,
-still parses into a complete view.
+applied the CRD's defaults already; the same defaults apply here (DEFAULTS below, generated from the
+CRD's source by ./dev crd) so a partial object, e.g. from a test or an older stored version, still
+parses into a complete view.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from rolloutfleet_wire.fleet_defaults import PROXY_MEMORY_REFUSE_NEW_SESSIONS_PERCENT, SPEC_DEFAULTS
 
 API_GROUP = "rolloutfleet.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
@@ -41,41 +43,8 @@ GENERATED_ADMIN_KEY_KEY = "admin-key"
 # longer fleet names with a CEL rule on metadata.name (a test checks they agree).
 MAX_FLEET_NAME_LENGTH = 63 - len("-proxy-999")
 
-# The CRD's defaults, by path under spec (tests compare them with the CRD's schema).
-DEFAULTS: dict[str, Any] = {
-    "proxy.replicas": 1,
-    "proxy.imagePullPolicy": "IfNotPresent",
-    "proxy.port": 8000,
-    "proxy.staleSessionTimeoutSeconds": 1800,
-    "proxy.cleanupIntervalSeconds": 30,
-    "proxy.drainGraceSeconds": 25,
-    "proxy.terminationGracePeriodSeconds": 60,
-    "proxy.dump.path": "/var/lib/rolloutfleet/dumps",
-    "proxy.dump.durability": "sync",
-    "proxy.memory.rssBudgetBytes": 0,
-    "proxy.memory.checkIntervalSeconds": 15,
-    "proxy.memory.consecutiveSamples": 3,
-    "proxy.memory.maxUnavailable": 1,
-    "proxy.memory.cooldownSeconds": 300,
-    "proxy.memory.maxCooldownSeconds": 3600,
-    "proxy.memory.dryRun": False,
-    "proxy.memory.refuseNewSessionsPercent": 90,
-    "proxy.exportTtlSeconds": 600,
-    "proxy.admission.maxConcurrentSessions": 0,
-    "proxy.engineLogprobs": "tempered",
-    "gateway.imagePullPolicy": "IfNotPresent",
-    "gateway.replicas": 1,
-    "gateway.port": 30080,
-    "gateway.policy": "manual",
-    "gateway.metricsPort": 29000,
-    "engines.replicas": 1,
-    "engines.imagePullPolicy": "IfNotPresent",
-    "engines.maxUnavailable": 1,
-    "engines.port": 30000,
-    "engines.tensorParallelSize": 1,
-    "engines.gpusPerEngine": 1,
-    "engines.terminationGracePeriodSeconds": 600,
-}
+# The CRD's defaults, by path under spec (generated from the CRD's source).
+DEFAULTS: dict[str, Any] = dict(SPEC_DEFAULTS)
 
 
 # The operator's own settings for every fleet, from its environment (the chart sets them): the
@@ -214,7 +183,7 @@ class MemorySpec:
     cooldown_s: int
     max_cooldown_s: int
     dry_run: bool
-    refuse_new_sessions_percent: int = 90
+    refuse_new_sessions_percent: int = PROXY_MEMORY_REFUSE_NEW_SESSIONS_PERCENT
 
     @property
     def enabled(self) -> bool:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from rolloutfleet_wire import fleet_defaults as fleet
 from rolloutfleet_wire.proxy_settings import ENV_PREFIX, InjectedSetting
 from rolloutfleet_wire.proxy_settings import env_var_name as contract_env_var_name
 
@@ -58,7 +59,7 @@ class ProxySettings(BaseSettings):
         "shorter one gives up on long generations the router still runs).",
     )
     engine_logprobs: Literal["tempered", "original"] = Field(
-        "tempered",
+        fleet.PROXY_ENGINE_LOGPROBS,
         description="What the engines' logprobs are: 'tempered' (SGLang's default: log_softmax(logits / "
         "temperature) when sampling) or 'original' (engines run with SGLANG_RETURN_ORIGINAL_LOGPROB=1). "
         "Recorded per turn in exports, so the trainer knows which it got.",
@@ -89,9 +90,17 @@ class ProxySettings(BaseSettings):
 
     cleanup_enabled: bool = Field(True, description="Dump and evict sessions idle past the timeout.")
     stale_session_timeout_s: float = Field(
-        1800.0, gt=0, description="Idle time after which a session is stale."
+        float(fleet.PROXY_STALE_SESSION_TIMEOUT_SECONDS),
+        gt=0,
+        description="Idle time after which a session is stale.",
     )
-    cleanup_interval_s: float = Field(30.0, gt=0, description="Time between stale-session cleanup cycles.")
+    cleanup_interval_s: float = Field(
+        float(fleet.PROXY_CLEANUP_INTERVAL_SECONDS),
+        gt=0,
+        description="Time between stale-session cleanup cycles.",
+    )
+    # Unlike the fleet's proxy.dump.path, no default on purpose: a standalone proxy has no dump volume
+    # unless given one, and the operator gives each of a fleet's proxies its own `<path>/<pod>`.
     dump_dir: Path | None = Field(None, description="Directory for session dumps (stale/ and live/ areas).")
     allow_dropping_sessions: bool = Field(
         False,
@@ -99,7 +108,7 @@ class ProxySettings(BaseSettings):
     )
     dump_write_concurrency: int = Field(8, ge=1, le=64, description="Dump files written in parallel.")
     durability: Literal["sync", "async"] = Field(
-        "sync",
+        fleet.PROXY_DUMP_DURABILITY,
         description="'sync': a change (session created, turn, reward, finish, delete, export) is fsynced "
         "to the journal before the client hears of it; 'async': replies do not wait, and a crash loses at "
         "most the last journal_flush_interval_s of acknowledged changes.",
@@ -118,7 +127,11 @@ class ProxySettings(BaseSettings):
     storage_check_interval_s: float = Field(
         5.0, gt=0, description="Interval of the dump volume's write probe (1 s while it is failing)."
     )
-    drain_grace_s: float = Field(25.0, ge=0, description="On SIGTERM, how long in-flight turns may finish.")
+    drain_grace_s: float = Field(
+        float(fleet.PROXY_DRAIN_GRACE_SECONDS),
+        ge=0,
+        description="On SIGTERM, how long in-flight turns may finish.",
+    )
     trim_heap: bool = Field(
         True, description="Return freed heap pages to the OS (malloc_trim) after cleanup."
     )
@@ -132,7 +145,7 @@ class ProxySettings(BaseSettings):
     )
 
     export_ttl_s: float = Field(
-        600.0,
+        float(fleet.PROXY_EXPORT_TTL_SECONDS),
         gt=0,
         description="How long an exported batch waits for the trainer's ack before it is dumped and freed.",
     )
@@ -148,7 +161,9 @@ class ProxySettings(BaseSettings):
         1, ge=1, description="This proxy's share of the trainer's batch size (batch / replicas rounded up)."
     )
     max_concurrent_sessions: int = Field(
-        0, ge=0, description="Most running (created, unfinished) sessions admitted at once (0: unlimited)."
+        fleet.PROXY_ADMISSION_MAX_CONCURRENT_SESSIONS,
+        ge=0,
+        description="Most running (created, unfinished) sessions admitted at once (0: unlimited).",
     )
     rss_soft_limit_bytes: int = Field(
         0, ge=0, description="RSS from which new sessions get 503, so load shifts to siblings (0: off)."

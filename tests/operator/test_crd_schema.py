@@ -69,9 +69,10 @@ def test_every_schema_node_uses_only_schema_keywords():
 
 
 def test_the_crd_files_are_generated_from_the_source_and_current():
-    text = crdgen.generated()
-    assert not crdgen.stale_targets(text), "run ./dev crd"
-    crd = yaml.safe_load(text)
+    files = crdgen.generated_files()
+    assert set(files) == {*crdgen.TARGETS, crdgen.DEFAULTS_MODULE}
+    assert not crdgen.stale_targets(files), "run ./dev crd"
+    crd = yaml.safe_load(files[crdgen.TARGETS[0]])
     spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     # Kubernetes' types are filled in (a few fields that tell the real schema from a free-form one).
     assert spec["proxy"]["properties"]["resources"]["properties"]["limits"]["additionalProperties"] == (
@@ -141,6 +142,57 @@ def test_kubernetes_types_become_structural_schemas():
     assert expanded["spec"]["f"]["description"] == "ours"
     assert "k" not in expanded["spec"]["f"]["properties"] and "required" not in expanded["spec"]["f"]
     assert "x-shared" not in expanded
+
+
+def test_the_defaults_module_holds_the_sources_defaults():
+    source = {
+        "spec": {
+            "versions": [
+                {
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "properties": {
+                                "spec": {
+                                    "properties": {
+                                        "proxy": {
+                                            "default": {},
+                                            "properties": {
+                                                "stalenessTimeoutSeconds": {
+                                                    "type": "number",
+                                                    "default": 1800,
+                                                },
+                                                "dryRun": {"type": "boolean", "default": False},
+                                                "policy": {"type": "string", "default": "manual"},
+                                                "image": {"type": "string"},
+                                            },
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            ]
+        }
+    }
+    namespace: dict[str, Any] = {}
+    exec(crdgen.defaults_module(source), namespace)
+    assert namespace["SPEC_DEFAULTS"] == {
+        "proxy.stalenessTimeoutSeconds": 1800,
+        "proxy.dryRun": False,
+        "proxy.policy": "manual",
+    }
+    # As the CRD writes it: the operator puts it in pod templates as it is (1800, not 1800.0).
+    assert type(namespace["PROXY_STALENESS_TIMEOUT_SECONDS"]) is int
+    assert namespace["PROXY_DRY_RUN"] is False and namespace["PROXY_POLICY"] == "manual"
+
+
+def test_a_stale_or_missing_generated_file_is_reported(tmp_path):
+    current, stale, missing = tmp_path / "current.py", tmp_path / "stale.py", tmp_path / "missing.py"
+    current.write_text("A = 1\n")
+    stale.write_text("A = 1\n")
+    files = {current: "A = 1\n", stale: "A = 2\n", missing: "A = 1\n"}
+    assert crdgen.stale_targets(files) == [stale, missing]
 
 
 def test_the_name_rule_is_the_operators_limit():

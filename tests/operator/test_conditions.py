@@ -1,0 +1,300 @@
+"""The fleet's conditions and status, the children no longer wanted, and which pod events need a pass."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fleet_samples import GPU, LATER, NOW, POD, SCHEMA, SVC, H, container, env_map, mutated, pod, pod_spec
+from rolloutfleet_operator import manifests
+from rolloutfleet_operator.conditions import (
+    CRASHLOOP_RESTARTS,
+    Condition,
+    ObservedState,
+    fleet_conditions,
+    fleet_status,
+    set_condition,
+)
+from rolloutfleet_operator.fleet import parse_fleet, selector_string
+from rolloutfleet_operator.plan import ProxyPodView
+from rolloutfleet_proxy.settings import ENV
+
+
+def test_set_condition_keeps_the_transition_time_while_the_status_holds():
+    first = set_condition([], Condition("Ready", "False", "Starting", "a"), NOW)
+    assert first[0]["lastTransitionTime"] == NOW
+    same = set_condition(
+        first, Condition("Ready", "False", "StillStarting", "b", observed_generation=2), LATER
+    )
+    assert same[0]["lastTransitionTime"] == NOW
+    assert (same[0]["reason"], same[0]["message"], same[0]["observedGeneration"]) == ("StillStarting", "b", 2)
+    flipped = set_condition(same, Condition("Ready", "True", "Up"), LATER)
+    assert flipped[0]["lastTransitionTime"] == LATER and flipped[0]["status"] == "True"
+    assert first[0]["reason"] == "Starting", "the input list is not modified"
+
+
+def test_set_condition_keeps_other_types_and_their_order():
+    existing = [
+        {"type": "A", "status": "True", "reason": "X", "lastTransitionTime": NOW},
+        {"type": "B", "status": "True", "reason": "Y", "lastTransitionTime": NOW},
+    ]
+    result = set_condition(existing, Condition("A", "False", "Z"), LATER)
+    assert [c["type"] for c in result] == ["A", "B"]
+    assert result[1] == existing[1]
+    assert [c["type"] for c in set_condition(existing, Condition("C", "True", "W"), LATER)] == ["A", "B", "C"]
+
+
+def observed(pods, desired=2, gateway=(1, 1), engines=(2, 2), **kw):
+    return ObservedState(
+        desired_proxies=desired,
+        proxies=tuple(pods),
+        current_hash=H,
+        gateway_ready=gateway[0],
+        gateway_desired=gateway[1],
+        engines_ready=engines[0] if engines else None,
+        engines_desired=engines[1] if engines else None,
+        **kw,
+    )
+
+
+def by_type(conditions):
+    return {c["type"]: c for c in conditions}
+
+
+def statuses(conditions):
+    return {c["type"]: c["status"] for c in conditions}
+
+
+@pytest.mark.parametrize(
+    ("case", "state", "expected"),
+    [
+        (
+            "all ready",
+            observed([pod(0), pod(1)]),
+            {
+                "Ready": "True",
+                "ProxiesReady": "True",
+                "GatewayReady": "True",
+                "EnginesReady": "True",
+                "Progressing": "False",
+                "ReplicaFailure": "False",
+            },
+        ),
+        (
+            "creating",
+            observed([]),
+            {"Ready": "False", "ProxiesReady": "False", "Progressing": "True", "ReplicaFailure": "False"},
+        ),
+        (
+            "rolling",
+            observed([pod(0, hash_="old"), pod(1)]),
+            {"Ready": "True", "ProxiesReady": "True", "Progressing": "True"},
+        ),
+        (
+            "gateway down",
+            observed([pod(0), pod(1)], gateway=(0, 1)),
+            {"Ready": "False", "GatewayReady": "False"},
+        ),
+        (
+            "engines down",
+            observed([pod(0), pod(1)], engines=(1, 2)),
+            {"Ready": "False", "EnginesReady": "False"},
+        ),
+        (
+            "external engines",
+            observed([pod(0), pod(1)], engines=None),
+            {"Ready": "True", "EnginesReady": "True"},
+        ),
+        (
+            "crash loop",
+            observed(
+                [
+                    pod(0),
+                    ProxyPodView(
+                        "f-proxy-1",
+                        1,
+                        ready=False,
+                        phase="Running",
+                        restart_count=CRASHLOOP_RESTARTS,
+                        template_hash=H,
+                    ),
+                ]
+            ),
+            {"Ready": "False", "ReplicaFailure": "True", "Progressing": "True"},
+        ),
+        (
+            "failed pod",
+            observed([pod(0), pod(1, ready=False, phase="Failed")]),
+            {"Ready": "False", "ReplicaFailure": "True"},
+        ),
+        (
+            "restarted but ready again is no failure",
+            observed(
+                [
+                    pod(0),
+                    ProxyPodView(
+                        "f-proxy-1", 1, ready=True, phase="Running", restart_count=9, template_hash=H
+                    ),
+                ]
+            ),
+            {"Ready": "True", "ReplicaFailure": "False"},
+        ),
+        (
+            "failed create",
+            observed([pod(0), pod(1)], create_failures=("f-proxy-2: exceeded quota",), desired=3),
+            {"Ready": "False", "ReplicaFailure": "True"},
+        ),
+        (
+            "scaled to zero",
+            observed([], desired=0),
+            {"Ready": "True", "ProxiesReady": "True", "Progressing": "False"},
+        ),
+        ("scaling down", observed([pod(0), pod(1), pod(2)]), {"Ready": "True", "Progressing": "True"}),
+    ],
+)
+def test_fleet_conditions(case, state, expected):
+    conditions = fleet_conditions(state, 5, NOW, [])
+    found = statuses(conditions)
+    assert {k: found[k] for k in expected} == expected, case
+    assert set(found) == {
+        "Ready",
+        "ProxiesReady",
+        "GatewayReady",
+        "EnginesReady",
+        "Progressing",
+        "ReplicaFailure",
+    }
+    for condition in conditions:
+        assert condition["observedGeneration"] == 5 and condition["lastTransitionTime"] == NOW
+        assert condition["reason"][:1].isupper() and condition["reason"].isalnum()
+
+
+def test_condition_reasons_and_messages():
+    crashing = ProxyPodView("f-proxy-1", 1, ready=False, restart_count=2, waiting_reason="CrashLoopBackOff")
+    conditions = by_type(fleet_conditions(observed([pod(0), crashing]), 1, NOW, []))
+    assert conditions["ReplicaFailure"]["reason"] == "CrashLoop"
+    assert "f-proxy-1" in conditions["ReplicaFailure"]["message"]
+    assert conditions["Ready"]["reason"] == "ProxiesNotReady"
+    assert "f-proxy-1" in conditions["ProxiesReady"]["message"]
+    external = by_type(fleet_conditions(observed([pod(0), pod(1)], engines=None), 1, NOW, []))
+    assert external["EnginesReady"]["reason"] == "NotManaged"
+    failed = by_type(fleet_conditions(observed([pod(0), pod(1, ready=False, phase="Failed")]), 1, NOW, []))
+    assert failed["ReplicaFailure"]["reason"] == "PodFailed"
+
+
+def test_fleet_conditions_transitions_and_foreign_conditions():
+    watchdog = {
+        "type": "MemoryRestarting",
+        "status": "False",
+        "reason": "WithinBudget",
+        "lastTransitionTime": NOW,
+    }
+    starting = fleet_conditions(observed([pod(0), pod(1, ready=False)]), 1, NOW, [watchdog])
+    assert by_type(starting)["MemoryRestarting"] == watchdog
+    # Same state later: nothing moves.
+    assert fleet_conditions(observed([pod(0), pod(1, ready=False)]), 1, LATER, starting) == starting
+    ready = by_type(fleet_conditions(observed([pod(0), pod(1)]), 2, LATER, starting))
+    assert ready["Ready"]["status"] == "True" and ready["Ready"]["lastTransitionTime"] == LATER
+    assert ready["GatewayReady"]["lastTransitionTime"] == NOW  # was True already
+    assert ready["GatewayReady"]["observedGeneration"] == 2
+    assert ready["MemoryRestarting"] == watchdog
+
+
+def test_fleet_status_counts_and_endpoints():
+    pods = [
+        pod(1),
+        pod(0, hash_="old"),
+        pod(2, ready=False),
+        pod(3, deleting=True),
+        pod(4, ready=False, phase="Failed"),
+    ]
+    state = observed(pods, desired=3)
+    status = fleet_status(GPU, state, NOW)
+    assert status["observedGeneration"] == 3
+    assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (3, 2, 2)
+    assert status["selector"] == selector_string(GPU, "proxy")
+    assert status["gatewayUrl"] == "http://gpu-fleet-gateway.rl.svc:30080"
+    assert status["proxyEndpoints"] == [
+        f"http://gpu-fleet-proxy-0.{SVC}.rl.svc:8000",
+        f"http://gpu-fleet-proxy-1.{SVC}.rl.svc:8000",
+    ]
+    assert by_type(status["conditions"])["Ready"]["status"] == "False"
+    # The endpoint of a ready proxy is the public URL the proxy itself was given.
+    assert status["proxyEndpoints"][0] == env_map(manifests.proxy_pod(GPU, 0))[ENV["public_url"]]
+
+
+def _unknown_keys(value: Any, schema: dict[str, Any], path: str) -> list[str]:
+    if isinstance(value, dict):
+        props = schema.get("properties") or {}
+        found = []
+        for key, sub in value.items():
+            if key not in props:
+                found.append(f"{path}.{key}")
+            else:
+                found += _unknown_keys(sub, props[key], f"{path}.{key}")
+        return found
+    if isinstance(value, list):
+        return [k for item in value for k in _unknown_keys(item, schema.get("items") or {}, f"{path}[]")]
+    return []
+
+
+def test_status_uses_only_fields_of_the_crd_status_schema():
+    status_schema = SCHEMA["properties"]["status"]
+    status = fleet_status(GPU, observed([pod(0), pod(1, hash_="old")], desired=2), NOW)
+    assert _unknown_keys(status, status_schema, "status") == []
+    # The check itself notices an extra field.
+    assert _unknown_keys({**status, "extra": 1}, status_schema, "status") == ["status.extra"]
+    enum = status_schema["properties"]["conditions"]["items"]["properties"]["status"]["enum"]
+    assert {c["status"] for c in status["conditions"]} <= set(enum)
+    # Integer fields really are integers, strings strings.
+    types = {"integer": int, "string": str, "array": list}
+    for key, value in status.items():
+        assert isinstance(value, types[status_schema["properties"][key]["type"]]), key
+
+
+def test_children_do_not_share_mutable_state_with_the_fleet():
+    pod_a = manifests.proxy_pod(GPU, 0)
+    container(pod_a)["resources"]["limits"]["memory"] = "1Gi"
+    pod_spec(manifests.engine_deployment(GPU))["tolerations"].append({"key": "x"})
+    assert GPU.proxy.resources["limits"]["memory"] == "8Gi"
+    assert len(GPU.engines.placement.tolerations) == 1
+    assert manifests.proxy_pod(GPU, 2) == POD
+
+
+def test_switching_to_external_engines_makes_the_engine_deployment_unwanted():
+    # Without NetworkPolicies in the operator's settings, any a fleet has are unwanted.
+    policies = [
+        ("networking.k8s.io/v1", "NetworkPolicy", f"gpu-fleet-{c}") for c in ("proxy", "gateway", "engine")
+    ]
+    assert manifests.unwanted_children(GPU) == policies
+    external = mutated("externalEngineUrls", ["http://e:1"])
+    del external["spec"]["engines"]
+    assert manifests.unwanted_children(parse_fleet(external)) == [
+        ("apps/v1", "Deployment", "gpu-fleet-engine"),
+        ("v1", "Service", "gpu-fleet-engines"),
+        ("policy/v1", "PodDisruptionBudget", "gpu-fleet-engine"),
+        *policies,
+    ]
+
+
+def _pod_with(ready: bool, phase: str = "Running") -> dict[str, Any]:
+    condition = {"type": "Ready", "status": "True" if ready else "False"}
+    return {"metadata": {"name": "p"}, "status": {"phase": phase, "conditions": [condition]}}
+
+
+@pytest.mark.parametrize(
+    ("event_type", "pod", "was_ready", "needed"),
+    [
+        ("DELETED", _pod_with(True), True, True),
+        ("MODIFIED", _pod_with(False, "Failed"), False, True),
+        ("MODIFIED", _pod_with(True), False, True),  # became Ready: a roll may go on
+        ("MODIFIED", _pod_with(False), True, True),  # lost readiness: the status should say so
+        ("MODIFIED", _pod_with(True), True, False),  # nothing that matters changed
+        (None, _pod_with(True), None, False),  # the first listing: the resume pass covers it
+        ("ADDED", _pod_with(False, "Pending"), None, False),
+    ],
+)
+def test_pod_event_needs_pass(event_type, pod, was_ready, needed):
+    from rolloutfleet_operator.plan import pod_event_needs_pass
+
+    assert pod_event_needs_pass(event_type, pod, was_ready) is needed

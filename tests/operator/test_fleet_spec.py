@@ -1,0 +1,106 @@
+"""The fleet view: a RolloutFleet parsed with the CRD's defaults, its names and labels."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fleet_samples import GPU, MINIMAL, SCHEMA
+from rolloutfleet_operator.fleet import (
+    DEFAULTS,
+    OperatorDefaults,
+    client_service_name,
+    engine_name,
+    gateway_name,
+    headless_service_name,
+    labels,
+    parse_fleet,
+    proxy_ordinal,
+    proxy_pod_name,
+    selector_string,
+)
+
+
+def _schema_defaults(schema: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    found = {}
+    for key, sub in (schema.get("properties") or {}).items():
+        path = f"{prefix}{key}"
+        if "default" in sub and sub["default"] != {}:
+            found[path] = sub["default"]
+        found.update(_schema_defaults(sub, path + "."))
+    return found
+
+
+def test_defaults_are_the_crds():
+    assert _schema_defaults(SCHEMA["properties"]["spec"]) == DEFAULTS
+
+
+def test_a_sparse_object_parses_with_the_crd_defaults():
+    fleet = parse_fleet(
+        {
+            "metadata": {"name": "f"},
+            "spec": {"proxy": {"tokenizer": {"path": "/tok"}}, "engines": {"modelPath": "/m", "image": "e"}},
+        },
+        OperatorDefaults(
+            proxy_image="r.example/rolloutfleet-proxy:9.9.9", gateway_image="r.example/router:1"
+        ),
+    )
+    assert fleet.namespace == "default"
+    assert fleet.proxy.replicas == 1 and fleet.proxy.port == 8000
+    assert fleet.proxy.image == "r.example/rolloutfleet-proxy:9.9.9"  # the operator's default
+    assert fleet.gateway.image == "r.example/router:1"
+    assert fleet.proxy.dump.path == "/var/lib/rolloutfleet/dumps" and fleet.proxy.dump.empty_dir == {}
+    assert fleet.proxy.memory.consecutive_samples == 3 and not fleet.proxy.memory.enabled
+    assert fleet.gateway.port == 30080 and fleet.gateway.policy == "manual"  # routes by session
+    assert fleet.engines is not None and fleet.engines.gpus_per_engine == 1
+    assert fleet.engines.tensor_parallel_size == 1 and fleet.engines.port == 30000
+
+
+def test_parse_reads_metadata_and_the_gpu_sample():
+    assert (GPU.name, GPU.namespace, GPU.uid, GPU.generation) == ("gpu-fleet", "rl", "uid-1", 3)
+    assert GPU.proxy.memory.rss_budget_bytes == 6442450944 and GPU.proxy.memory.enabled
+    assert GPU.proxy.dump.persistent_volume_claim == {"claimName": "rollout-dumps"}
+    assert GPU.proxy.dump.empty_dir is None
+    assert GPU.external_engine_urls == ()
+    assert MINIMAL.engines is None
+    assert MINIMAL.external_engine_urls == ("http://sglang-engine-0.sglang:30000",)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"proxy": {"tokenizer": {"path": "/t"}}},
+        {
+            "proxy": {"tokenizer": {"path": "/t"}},
+            "engines": {"modelPath": "/m"},
+            "externalEngineUrls": ["http://e:1"],
+        },
+        {"proxy": {"tokenizer": {}}, "externalEngineUrls": ["http://e:1"]},
+        {"externalEngineUrls": ["http://e:1"]},
+        {
+            "proxy": {"tokenizer": {"path": "/t"}, "admission": {"consumerBatchSize": 8}},
+            "externalEngineUrls": ["http://e:1"],
+        },
+    ],
+)
+def test_parse_rejects_what_the_crd_rejects(spec):
+    with pytest.raises(ValueError):
+        parse_fleet({"metadata": {"name": "f"}, "spec": spec})
+
+
+def test_names_and_labels():
+    assert proxy_pod_name(GPU, 3) == "gpu-fleet-proxy-3"
+    assert proxy_ordinal(GPU, "gpu-fleet-proxy-12") == 12
+    for other in ["gpu-fleet-proxy-", "gpu-fleet-proxy-01", "gpu-fleet-proxy-x", "other-proxy-1"]:
+        assert proxy_ordinal(GPU, other) is None
+    assert labels(GPU, "engine") == {
+        "app.kubernetes.io/name": "rolloutfleet",
+        "app.kubernetes.io/instance": "gpu-fleet",
+        "app.kubernetes.io/component": "engine",
+        "app.kubernetes.io/managed-by": "rolloutfleet-operator",
+        "rolloutfleet.dev/fleet": "gpu-fleet",
+    }
+    selector = selector_string(GPU, "proxy")
+    assert dict(part.split("=") for part in selector.split(",")) == labels(GPU, "proxy")
+    names = {headless_service_name(GPU), client_service_name(GPU), gateway_name(GPU), engine_name(GPU)}
+    assert len(names) == 4
