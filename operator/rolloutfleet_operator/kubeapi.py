@@ -109,12 +109,12 @@ class KubeApi:
             auth_settings=["BearerToken"],
         )
         response = self.api.call_api(method, url, headers, body, post, _request_timeout=timeout)
-        response.read()
+        data = response.read()  # its bytes (the client's class declares the data attribute as None)
         if not 200 <= response.status <= 299:
             raise ApiException.from_response(
-                http_resp=response, body=response.data.decode(errors="replace"), data=None
+                http_resp=response, body=data.decode(errors="replace"), data=None
             )
-        return response.status, (json.loads(response.data) if response.data else {})
+        return response.status, (json.loads(data) if data else {})
 
     def get(self, path: str, **query: Any) -> dict | None:
         """The object, or None when it does not exist."""

@@ -9,6 +9,7 @@ import os
 import socket
 import sys
 import time
+from typing import cast
 
 import aiohttp
 import kopf
@@ -94,7 +95,7 @@ async def on_change(body: kopf.Body, **_) -> None:
 
 
 @kopf.on.event("", "v1", "pods", labels=WATCHED_POD_LABELS)
-async def on_proxy_pod_event(event: dict, body: kopf.Body, **_) -> None:
+async def on_proxy_pod_event(event: kopf.RawEvent, body: kopf.Body, **_) -> None:
     """A proxy pod that is gone or failed is replaced now, and a readiness change is reflected now
     (status, rolls), not at the next periodic pass."""
     uid = body["metadata"]["uid"]
@@ -114,11 +115,11 @@ async def on_proxy_pod_event(event: dict, body: kopf.Body, **_) -> None:
         return
     fleet = await asyncio.to_thread(_reconciler.api.get, fleet_path(namespace, fleet_name))
     if fleet is not None and not fleet["metadata"].get("deletionTimestamp"):
-        await _pass(kopf.Body(fleet))
+        await _pass(kopf.Body(cast(kopf.RawBody, fleet)))
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def track_fleet(event: dict, body: kopf.Body, **_) -> None:
+async def track_fleet(event: kopf.RawEvent, body: kopf.Body, **_) -> None:
     """Every fleet event feeds its background loop (periodic pass and memory watchdog; see
     fleet_loop.py for why these are not kopf timers and daemons: no finalizer)."""
     assert _loops is not None
@@ -133,7 +134,7 @@ async def _make_watchdog(key: tuple[str, str]):
 
 
 async def _background_pass(body: dict) -> None:
-    await _pass(kopf.Body(body))
+    await _pass(kopf.Body(cast(kopf.RawBody, body)))
 
 
 @kopf.on.cleanup()
@@ -177,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     kopf.run(
         standalone=True,
         clusterwide=args.all_namespaces,
-        namespaces=args.namespace or None,
+        namespaces=args.namespace or (),  # kopf reads only its truth: () as None
         liveness_endpoint=f"http://{args.bind_address}:{args.health_port}/healthz",
     )
     return 0

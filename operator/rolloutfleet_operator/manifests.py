@@ -606,7 +606,7 @@ def engine_service(fleet: Fleet) -> Manifest:
 def _deployment(
     fleet: Fleet,
     name: str,
-    component: str,
+    component: Component,
     replicas: int,
     pod_spec: Manifest,
     strategy: Manifest | None = None,

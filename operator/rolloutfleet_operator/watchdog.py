@@ -115,7 +115,8 @@ def cooldown_after(restart_number: int, spec: MemorySpec) -> int:
     """Seconds without memory restarts after restart `restart_number` (1-based) in the window."""
     exponent = min(max(restart_number, 1) - 1, _MAX_BACKOFF_EXPONENT)
     cap = max(spec.max_cooldown_s, spec.cooldown_s)
-    return min(spec.cooldown_s * 2**exponent, cap)
+    backoff: int = 2**exponent  # exponent >= 0: an int (typeshed's int.__pow__ cannot tell)
+    return min(spec.cooldown_s * backoff, cap)
 
 
 def quiet_period_s(spec: MemorySpec) -> int:

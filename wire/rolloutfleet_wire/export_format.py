@@ -71,7 +71,8 @@ class DecodedBatch:
 
     @property
     def batch_id(self) -> str:
-        return self.header["batch_id"]
+        batch_id: str = self.header["batch_id"]
+        return batch_id
 
     @property
     def num_trajectories(self) -> int:

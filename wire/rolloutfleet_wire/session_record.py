@@ -34,14 +34,17 @@ class SessionRecord:
     key_digest: bytes
     created_at: float
     metadata: dict[str, Any]
-    token_ids: array
-    loss_mask: array
-    logprobs: array
-    turn_bounds: array
-    turn_versions: array = field(default_factory=lambda: array("i"))  # model version per turn (its start)
-    version_changes: array = field(default_factory=lambda: array("i"))  # see VERSION_CHANGE_FIELDS
-    turn_temperatures: array = field(default_factory=lambda: array("f"))  # sampling temperature per turn
-    turn_tempered: array = field(default_factory=lambda: array("B"))  # 1: logprobs of logits / temperature
+    token_ids: array[int]
+    loss_mask: array[int]
+    logprobs: array[float]
+    turn_bounds: array[int]
+    # The model version per turn (at its start).
+    turn_versions: array[int] = field(default_factory=lambda: array("i"))
+    version_changes: array[int] = field(default_factory=lambda: array("i"))  # see VERSION_CHANGE_FIELDS
+    # The sampling temperature per turn.
+    turn_temperatures: array[float] = field(default_factory=lambda: array("f"))
+    # 1 per turn whose logprobs are of logits / temperature.
+    turn_tempered: array[int] = field(default_factory=lambda: array("B"))
     message_count: int = 0
     history_digest: bytes = EMPTY_DIGEST
     last_output_stopped: bool = False
@@ -55,7 +58,7 @@ class SessionRecord:
 RECORD_FIELDS = tuple(f.name for f in fields(SessionRecord))
 
 
-def token_versions(record: SessionRecord) -> array:
+def token_versions(record: SessionRecord) -> array[int]:
     """The model version of every token: its turn's version on generated tokens, then any mid-turn
     changes; UNKNOWN_VERSION on prompt tokens."""
     versions = array("i", [UNKNOWN_VERSION]) * len(record.token_ids)
