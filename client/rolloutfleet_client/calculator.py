@@ -33,10 +33,11 @@ class CalculatorError(ValueError):
 
 
 def _value(node: ast.AST) -> float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        if abs(node.value) > MAX_MAGNITUDE:
+    value = node.value if isinstance(node, ast.Constant) else None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        if abs(value) > MAX_MAGNITUDE:
             raise CalculatorError("number too large")
-        return node.value
+        return value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
         value = _value(node.operand)
         return -value if isinstance(node.op, ast.USub) else value

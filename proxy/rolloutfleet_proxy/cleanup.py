@@ -43,7 +43,8 @@ class SessionWriter:
         self, sessions: list[Session], area: str, reason: str, copy: bool = False
     ) -> WriteOutcome:
         """`copy`: snapshot sessions that stay live (compaction): a copy made on the loop, no lock."""
-        if self.dump_dir is None:
+        dump_dir = self.dump_dir
+        if dump_dir is None:
             return WriteOutcome(written=[], failed=list(sessions))
         outcome = WriteOutcome(written=[], failed=[])
         # A few workers share one iterator: thousands of stale sessions never become thousands of
@@ -52,20 +53,20 @@ class SessionWriter:
 
         async def worker() -> None:
             for session in pending:
-                ok = await self._write_one(session, area, reason, copy)
+                ok = await self._write_one(dump_dir, session, area, reason, copy)
                 (outcome.written if ok else outcome.failed).append(session)
 
         await asyncio.gather(*(worker() for _ in range(min(self._concurrency, len(sessions)))))
         return outcome
 
-    async def _write_one(self, session: Session, area: str, reason: str, copy: bool) -> bool:
+    async def _write_one(self, dump_dir: Path, session: Session, area: str, reason: str, copy: bool) -> bool:
         if copy:
             record = session.copied_record()
         else:
             async with session.lock:  # a detached session has no turn, but never snapshot mid-mutation
                 record = session.to_record()
         try:
-            await asyncio.to_thread(write_session_dump, self.dump_dir, area, record, reason)
+            await asyncio.to_thread(write_session_dump, dump_dir, area, record, reason)
         except Exception as exc:  # any failure keeps the session; it is retried
             self._counters.dump_failures += 1
             log.error(

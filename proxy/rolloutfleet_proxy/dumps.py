@@ -100,7 +100,7 @@ def dump_file_path(dump_dir: Path, area: str, session_id: str, stamp_ms: int | N
 
 
 def encode_record(record: SessionRecord, reason: str) -> bytes:
-    tensors = {
+    tensors: dict[str, np.ndarray] = {
         "input_ids": np.frombuffer(record.token_ids, dtype=np.int32),
         "loss_mask": np.frombuffer(record.loss_mask, dtype=np.uint8),
         "logprobs": np.frombuffer(record.logprobs, dtype=np.float32),

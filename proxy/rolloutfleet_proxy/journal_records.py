@@ -204,7 +204,7 @@ def scan(data: bytes | mmap.mmap) -> ScanResult:
     return ScanResult(records, size if good is None else good, damaged, skipped)
 
 
-def _read_at(data: bytes, pos: int) -> tuple[Record | None, int]:
+def _read_at(data: bytes | mmap.mmap, pos: int) -> tuple[Record | None, int]:
     if pos + FRAME_BYTES > len(data):
         return None, pos
     magic, length, crc = _FRAME.unpack_from(data, pos)
@@ -220,7 +220,7 @@ def _read_at(data: bytes, pos: int) -> tuple[Record | None, int]:
         return None, pos
 
 
-def _next_intact(data: bytes, start: int) -> int | None:
+def _next_intact(data: bytes | mmap.mmap, start: int) -> int | None:
     pos = data.find(MAGIC, start)
     while pos != -1:
         if _read_at(data, pos)[0] is not None:

@@ -140,7 +140,7 @@ class SessionStore:
 
     def take_ready(self, limit: int) -> list[Session]:
         """Detach up to `limit` finished sessions, those that finished first first (for export)."""
-        taken = []
+        taken: list[Session] = []
         for session in self._ready.values():
             if len(taken) == limit:
                 break

@@ -41,7 +41,8 @@ class ParsedReply:
 
 
 class ToolCallParser(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def parse(self, text: str, tool_names: Collection[str]) -> ParsedReply: ...
 

@@ -46,7 +46,7 @@ from .history import extend_canonical_digest, extend_digest, tools_digest
 from .lifecycle import InFlightTurns
 from .openai_format import ChatRequest
 from .replies import Reply, ReplyBuilder
-from .session import Session
+from .session import Session, TurnFields
 from .session_log import SessionLog
 from .stats import Counters
 from .store import SessionStore
@@ -195,16 +195,16 @@ class TurnService:
             stop_token = self._tokenizer.stop_token(generation.output_ids, generation.stop_token)
             reply = self._replies.build(generation, stop_token, request.tools, prompt_tail)
             temperature, tempered = logprobs_tempered(self._engine_logprobs, request.sampling_params)
-            fields = {
-                "message_count": len(request.messages) + 1,
-                "history_digest": extend_digest(digest, [reply.message()]),
-                "stopped": stop_token is not None,
-                "stop_token": stop_token,
-                "model_version": turn.version,
-                "version_changes": turn.version_changes,
-                "temperature": temperature,
-                "tempered": tempered,
-            }
+            fields = TurnFields(
+                message_count=len(request.messages) + 1,
+                history_digest=extend_digest(digest, [reply.message()]),
+                stopped=stop_token is not None,
+                stop_token=stop_token,
+                model_version=turn.version,
+                version_changes=turn.version_changes,
+                temperature=temperature,
+                tempered=tempered,
+            )
             mark = session.mark()
             added = session.append_turn(new_ids, generation.output_ids, generation.logprobs, **fields)
             self._store.record_growth(added)
