@@ -119,9 +119,13 @@ def http_error(failure: f.Failure) -> ProxyError:
             return not_found(failure.message)
         case f.SessionBeingWritten():
             return conflict(failure.code, failure.message, retry_after_s=1)
-        case f.SessionExists() | f.SessionsNotFinished() | f.SessionFinished() | f.TurnInFlight():
-            return conflict(failure.code, failure.message)
-        case f.HistoryMismatch():
+        case (
+            f.SessionExists()
+            | f.SessionsNotFinished()
+            | f.SessionFinished()
+            | f.TurnInFlight()
+            | f.HistoryMismatch()
+        ):
             return conflict(failure.code, failure.message)
         case f.SessionLostInRestart() | f.SessionEnded() | f.SessionDeleted() | f.BatchEnded():
             return gone(failure.code, failure.message)

@@ -119,7 +119,6 @@ class ProxyRuntime:
             self.exports,
             self.writer,
             self.journal,
-            settings.dump_dir,
             self.counters,
             (self._cycle_lock, self._sweep_lock),
             self.save_state,

@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from .cleanup import SessionWriter
 from .dumps import LIVE_AREA, remove_other_dumps
@@ -35,7 +34,6 @@ class ShutdownWriter:
         exports: ExportService,
         writer: SessionWriter,
         journal: Journal | None,
-        dump_dir: Path | None,
         counters: Counters,
         background_locks: tuple[asyncio.Lock, ...],
         save_state: Callable[[], Awaitable[bool]],
@@ -48,7 +46,6 @@ class ShutdownWriter:
         self._exports = exports
         self._writer = writer
         self._journal = journal
-        self._dump_dir = dump_dir
         self._counters = counters
         self._background_locks = background_locks  # held while writing: no background run meanwhile
         self._save_state = save_state
@@ -95,11 +92,12 @@ class ShutdownWriter:
     async def _retire_journal(self, drained: set[str]) -> None:
         """Every session is in its live/ snapshot now: the journal and older snapshots are redundant.
         A failure here loses nothing (the next start replays the journal over the snapshots)."""
-        if self._journal is None or self._dump_dir is None:
+        dump_dir = self._writer.dump_dir
+        if self._journal is None or dump_dir is None:
             return
         try:
             await self._journal.close()
-            await asyncio.to_thread(remove_other_dumps, self._dump_dir, LIVE_AREA, drained)
+            await asyncio.to_thread(remove_other_dumps, dump_dir, LIVE_AREA, drained)
             await self._journal.retire(self._journal.segment_seq + 1)
         except OSError as exc:
             log.warning("drain: the journal could not be retired (%s); the next start replays it", exc)
