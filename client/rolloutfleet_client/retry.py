@@ -94,10 +94,23 @@ def classify_exception(exc: BaseException, *, creating: bool = False) -> Verdict
 TURN, READ, WRITE, DELETE = "turn", "read", "write", "delete"  # kinds of session calls
 
 
+_KNOWN_CODES = frozenset(ErrorCode) - {ErrorCode.HTTP_ERROR}
+
+
 def nothing_done(status: int, code: str) -> bool:
-    """The proxy did nothing, and the same request can succeed later: a code it sends for that, or
-    a 502/503 from whatever stands in front of it (a balancer's answer carries no proxy code)."""
-    return code in RETRY_LATER or status in (502, 503)
+    """The proxy did nothing, and the same request can succeed later. A code the proxy sends decides
+    (`RETRY_LATER`, always as 502/503: the 410 `draining` of an export batch dropped at shutdown is
+    final). Without a code we know (a balancer's answer, or a newer proxy's code), a 502/503 does."""
+    if status not in (502, 503):
+        return False
+    return code in RETRY_LATER or code not in _KNOWN_CODES
+
+
+def trainer_should_retry(status: int, code: str, *, repeatable: bool) -> bool:
+    """Whether the trainer's client resends a call answered `status`/`code`. A call that must not
+    run twice (building an export batch) is resent only when the proxy itself said it did nothing:
+    a balancer's 502 may follow a request the proxy handled."""
+    return nothing_done(status, code) and (repeatable or code in RETRY_LATER)
 
 
 def classify_session_answer(status: int, code: str, *, call: str, maybe_handled: bool = False) -> Verdict:

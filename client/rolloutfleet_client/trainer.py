@@ -31,7 +31,7 @@ from rolloutfleet_wire.errors import ErrorCode
 from rolloutfleet_wire.export_format import DecodedBatch, decode_batch
 
 from .errors import NoAnswerCode, ProxyRequestError, proxy_error
-from .retry import Backoff
+from .retry import Backoff, nothing_done, retry_after_s, trainer_should_retry
 
 if TYPE_CHECKING:
     import torch
@@ -97,10 +97,11 @@ class PulledBatch:
 class TrainerClient:
     """Synchronous client for one or many proxies (a fleet's `status.proxyEndpoints`).
 
-    Calls that are safe to repeat are retried on connection failures and on 503 (a proxy draining
-    or restarting: its batches and state continue on its replacement at the same URL). Creating an
-    export is retried only when the request never reached the proxy; after a lost answer the batch
-    is still held there, and `pending()` finds it.
+    Calls that are safe to repeat are retried on connection failures and on the answers that say
+    nothing was done (`retry.nothing_done`: the shared `RETRY_LATER` codes, such as a proxy draining
+    or restarting, whose batches and state continue on its replacement at the same URL). Creating
+    an export is retried only when the request never reached the proxy or the proxy itself said it
+    built nothing; after a lost answer the batch is still held there, and `pending()` finds it.
     """
 
     def __init__(
@@ -159,6 +160,7 @@ class TrainerClient:
         retries = self._retries if retries is None else retries
         for attempt in range(retries + 1):
             last = attempt == retries
+            retry_after = None
             try:
                 response = self._client.request(method, url, headers=self._headers, **kwargs)
             except httpx.TransportError as exc:
@@ -168,9 +170,13 @@ class TrainerClient:
                         url, None, NoAnswerCode.UNREACHABLE, f"{type(exc).__name__}: {exc}"
                     ) from exc
             else:
-                if response.status_code != 503 or last:
+                status = response.status_code
+                if last or status not in (502, 503):  # the body is read only when it may matter
                     return response
-            time.sleep(self._backoff.delay(attempt, rand=random.random()))
+                if not trainer_should_retry(status, proxy_error(response)[0], repeatable=repeatable):
+                    return response
+                retry_after = retry_after_s(response.headers.get("retry-after"))
+            time.sleep(self._backoff.delay(attempt, retry_after, rand=random.random()))
         raise AssertionError("unreachable")
 
     def _checked(self, response: httpx.Response, *ok: int) -> httpx.Response:
@@ -225,7 +231,7 @@ class TrainerClient:
                     # No retries within a round: an unavailable proxy must not hold up the others.
                     batch = self.export_from(url, max_trajectories=missing, retries=0)
                 except ProxyRequestError as exc:
-                    if exc.status not in (None, 503):
+                    if exc.status is not None and not nothing_done(exc.status, exc.code):
                         raise
                     log.warning("skipping proxy %s this round: %s", url, exc)
                     continue

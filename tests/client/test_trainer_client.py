@@ -9,11 +9,13 @@ import threading
 import httpx
 import pytest
 import torch
-from proxy_harness import ADMIN_KEY, play_session, running_proxy
+from proxy_harness import ADMIN_KEY, play_session, remount, running_proxy, tmpfs
 from rolloutfleet_client.errors import NoAnswerCode, ProxyRequestError
+from rolloutfleet_client.retry import Backoff, nothing_done, trainer_should_retry
 from rolloutfleet_client.trainer import ProxyCallError, TrainerClient, to_torch
 from rolloutfleet_testkit.processes import free_port, serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
+from rolloutfleet_testkit.waiting import wait_for
 from rolloutfleet_wire.errors import ErrorCode
 
 
@@ -115,6 +117,57 @@ def test_errors_are_raised_not_swallowed(fleet):
             client.set_model_version(1)
         assert unreachable.value.status is None and unreachable.value.code == NoAnswerCode.UNREACHABLE
         client.ack([batch])
+
+
+@pytest.mark.parametrize(
+    ("status", "code", "repeatable", "retry"),
+    [
+        (503, "draining", True, True),  # a proxy shutting down: its successor holds the batches
+        (503, "draining", False, True),  # said by the proxy itself: no batch was built
+        (503, "storage_unavailable", False, True),
+        (503, "starting", True, True),
+        (503, "http_error", True, True),  # a balancer's answer without the proxy's body
+        (503, "http_error", False, False),  # ...for a batch build: the proxy may have built it
+        (502, "http_error", True, True),
+        (503, "some_future_code", True, True),  # a newer proxy's code: the status decides
+        (410, "draining", True, False),  # a batch dropped at shutdown is gone for good
+        (410, "batch_expired", True, False),
+        (409, "session_not_finished", True, False),
+        (404, "not_found", True, False),
+        (401, "unauthorized", True, False),
+        (500, "internal_error", True, False),
+        (504, "upstream_timeout", True, False),
+    ],
+)
+def test_the_trainer_retries_what_the_shared_codes_call_retryable(status, code, repeatable, retry):
+    assert trainer_should_retry(status, code, repeatable=repeatable) is retry
+    assert nothing_done(status, code) is (retry or (code == "http_error" and not repeatable))
+
+
+def test_the_trainer_waits_out_a_proxy_that_cannot_persist(upstream_url, test_tokenizer_dir, tmp_path):
+    """A real proxy whose dump volume turns read-only refuses exports with 503 storage_unavailable;
+    a pull skips it, a call with retries waits until the volume is back and then gets the batch."""
+    with (
+        tmpfs(tmp_path / "dumps", "16m") as dumps,
+        running_proxy(upstream_url, test_tokenizer_dir, dumps, storage_check_interval_s=0.1) as proxy,
+    ):
+        sid, _ = play_session(proxy)
+        remount(dumps, "ro")
+        wait_for(lambda: httpx.get(f"{proxy.url}/readyz").status_code == 503, 10, "/readyz 503", 0.05)
+        backoff = Backoff(initial_s=0.1, cap_s=0.3)
+        with TrainerClient([proxy.url], ADMIN_KEY, backoff=backoff, retries=40) as client:
+            with pytest.raises(ProxyRequestError) as refused:
+                client.export_from(proxy.url, max_trajectories=1, retries=0)
+            assert refused.value.status == 503 and refused.value.code == ErrorCode.STORAGE_UNAVAILABLE
+            assert client.pull(1) == []  # skipped this round, not raised
+            timer = threading.Timer(1.0, remount, (dumps, "rw"))
+            timer.start()
+            try:
+                batch = client.export_from(proxy.url, max_trajectories=1)
+            finally:
+                timer.join()
+            assert batch is not None and [t["session_id"] for t in batch.trajectories()] == [sid]
+            assert client.ack([batch]) == {batch.batch_id: True}
 
 
 def test_proxy_server_imports_neither_torch_nor_the_client():

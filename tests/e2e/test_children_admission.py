@@ -20,7 +20,7 @@ from rolloutfleet_operator.fleet import (
     OperatorDefaults,
     parse_fleet,
 )
-from waiting import wait_for
+from rolloutfleet_testkit.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

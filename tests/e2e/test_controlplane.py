@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from waiting import wait_for
+from rolloutfleet_testkit.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -31,7 +31,7 @@ def test_apply_is_idempotent(cluster, namespace):
 def test_evict_honours_the_pod_disruption_budget(cluster, namespace):
     """The operator's rolls evict: refused (429) while the budget allows no disruption, done once it
     does; a pod that is gone is reported as such."""
-    from waiting import wait_for
+    from rolloutfleet_testkit.waiting import wait_for
 
     api = KubeApi(load_configuration(cluster.kubeconfig))
     pod = {

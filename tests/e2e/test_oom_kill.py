@@ -29,7 +29,7 @@ from rolloutfleet_testkit.fleet_setup import oom_kills
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.session_ledger import LedgerSession, SessionLedger
 from rolloutfleet_testkit.upstream_stub import create_app as create_upstream_stub
-from waiting import wait_for
+from rolloutfleet_testkit.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

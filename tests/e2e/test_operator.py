@@ -25,7 +25,7 @@ from rolloutfleet_testkit.demo import QUESTIONS, run_session
 from rolloutfleet_testkit.fleet_setup import condition, create_session, one_turn, session_tokens
 from rolloutfleet_testkit.processes import serve_app, wait_until_routed
 from rolloutfleet_testkit.sglang_emulator.server import create_app as create_engine_app
-from waiting import wait_for
+from rolloutfleet_testkit.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 RELEASE = "rf"

@@ -13,7 +13,7 @@ from operator_install import installed_operator
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.sglang_emulator.server import create_app as create_engine_app
-from waiting import wait_for
+from rolloutfleet_testkit.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 NAMESPACE, RELEASE = "operator-ha", "rfha"

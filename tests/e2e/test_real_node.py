@@ -11,7 +11,7 @@ import json
 
 import pytest
 from rolloutfleet_testkit import fleet_setup
-from waiting import wait_for
+from rolloutfleet_testkit.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

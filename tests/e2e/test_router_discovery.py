@@ -9,7 +9,7 @@ import httpx
 import pytest
 from rolloutfleet_testkit import sample_workload as sample
 from rolloutfleet_testkit.processes import wait_until_routed
-from waiting import wait_for
+from rolloutfleet_testkit.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import time
 
 import httpx
 import numpy as np
@@ -15,6 +14,7 @@ from rolloutfleet_proxy.dumps import EXPORTED_AREA, LIVE_EXPORTS_AREA
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import TOKEN_LOGPROB
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
+from rolloutfleet_testkit.waiting import wait_for
 from rolloutfleet_wire.export_format import MEDIA_TYPE, decode_batch
 
 OUTPUT_TOKENS = 3
@@ -38,13 +38,6 @@ def export(proxy, params: dict | None = None, **body) -> httpx.Response:
 
 def ack(proxy, batch_id: str) -> httpx.Response:
     return httpx.post(f"{proxy.url}/v1/exports/{batch_id}/ack", headers=ADMIN)
-
-
-def wait_for(condition, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_export_then_ack_frees_the_buffer(proxy):
@@ -104,7 +97,7 @@ def test_export_then_ack_frees_the_buffer(proxy):
     again = httpx.get(f"{proxy.url}/v1/exports/{batch_id}", headers=ADMIN)
     assert again.status_code == 410 and again.json()["error"]["code"] == "batch_already_acknowledged"
     if stats["trim_available"]:  # the cleanup cycle returns the freed heap to the OS
-        wait_for(lambda: proxy.stats()["totals"]["heap_trims"] >= 1)
+        wait_for(lambda: proxy.stats()["totals"]["heap_trims"] >= 1, 5, "a heap trim", 0.02)
     assert not list((proxy.dump_dir / EXPORTED_AREA).glob("*"))
 
 
@@ -154,7 +147,7 @@ def test_unacknowledged_batch_is_dumped_after_ttl_and_freed(upstream_url, test_t
         created = export(proxy, max_trajectories=10)
         batch_id = created.headers["x-rolloutfleet-batch-id"]
         assert proxy.stats()["export_bytes"] == len(created.content)
-        wait_for(lambda: proxy.stats()["export_batches"] == 0)
+        wait_for(lambda: proxy.stats()["export_batches"] == 0, 5, "the batch to expire", 0.02)
         stats = proxy.stats()
         assert stats["export_bytes"] == 0 and stats["totals"]["batches_expired"] == 1
         (path,) = (dumps / EXPORTED_AREA).iterdir()

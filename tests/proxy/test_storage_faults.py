@@ -5,39 +5,10 @@ session unchanged, nothing delivered is lost, and the proxy recovers when the vo
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
-from proxy_harness import ADMIN, chat_body, running_proxy
-
-
-@contextlib.contextmanager
-def tmpfs(path: Path, size: str) -> Iterator[Path]:
-    path.mkdir(parents=True, exist_ok=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def remount(path: Path, mode: str) -> None:
-    subprocess.run(["mount", "-o", f"remount,{mode}", str(path)], check=True)
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
+from proxy_harness import ADMIN, chat_body, remount, running_proxy, tmpfs
+from rolloutfleet_testkit.waiting import wait_for
 
 
 def turn(url: str, sid: str, key: str, messages: list[dict]) -> httpx.Response:
@@ -77,7 +48,7 @@ def test_read_only_remount_mid_run_is_reported_refused_and_recovered(
             before = session_state(proxy.url, sid, key)
 
             remount(dumps, "ro")
-            wait_for(lambda: httpx.get(f"{proxy.url}/readyz").status_code == 503)
+            wait_for(lambda: httpx.get(f"{proxy.url}/readyz").status_code == 503, 10, "/readyz 503", 0.05)
             ready = httpx.get(f"{proxy.url}/readyz").json()
             assert (
                 ready["error"]["code"] == "storage_unavailable" and "Read-only" in ready["error"]["message"]
@@ -94,7 +65,7 @@ def test_read_only_remount_mid_run_is_reported_refused_and_recovered(
             assert "rolloutfleet_proxy_storage_writable 0.0" in metrics
 
             remount(dumps, "rw")
-            wait_for(lambda: httpx.get(f"{proxy.url}/readyz").status_code == 200)
+            wait_for(lambda: httpx.get(f"{proxy.url}/readyz").status_code == 200, 10, "/readyz 200", 0.05)
             assert converse(proxy.url, sid, key, messages, "after").status_code == 200
             delivered = session_state(proxy.url, sid, key)
             assert delivered["num_turns"] == 2
@@ -122,11 +93,11 @@ def test_a_full_volume_fails_the_turn_cleanly_and_nothing_delivered_is_lost(
             reply = converse(proxy.url, sid, key, messages, "x" * 20000)
             assert reply.status_code == 503 and reply.json()["error"]["code"] == "storage_unavailable"
             assert session_state(proxy.url, sid, key) == before
-            wait_for(lambda: httpx.get(f"{proxy.url}/readyz").status_code == 503)
+            wait_for(lambda: httpx.get(f"{proxy.url}/readyz").status_code == 503, 10, "/readyz 503", 0.05)
             assert "No space left" in proxy.stats()["storage"]["reason"]
 
             filler.unlink()
-            wait_for(lambda: httpx.get(f"{proxy.url}/readyz").status_code == 200)
+            wait_for(lambda: httpx.get(f"{proxy.url}/readyz").status_code == 200, 10, "/readyz 200", 0.05)
             assert converse(proxy.url, sid, key, messages, "again").status_code == 200
             delivered = session_state(proxy.url, sid, key)
         with running_proxy(sglang_emulator_url, test_tokenizer_dir, dumps) as successor:
