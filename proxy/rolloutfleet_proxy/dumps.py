@@ -25,11 +25,15 @@ import secrets
 import time
 import zlib
 from array import array
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
 from rolloutfleet_wire.session_record import (
+    RECORD_FIELDS,
     TURN_BOUND_FIELDS,
     UNKNOWN_TEMPERATURE,
     UNKNOWN_VERSION,
@@ -54,6 +58,93 @@ SUFFIX = ".safetensors"
 
 class DumpFormatError(ValueError):
     pass
+
+
+# --- how each persistent field is stored ---------------------------------------------------------
+# Every field of SessionRecord is in exactly one of the two tables (checked below, at import): a new
+# persistent field is declared on the record and given its storage here, and nowhere else.
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """A record field stored as a tensor (the record holds it as a flat `array`)."""
+
+    name: str  # the tensor's name in the file
+    typecode: str  # the record's array typecode
+    dtype: type  # the tensor's dtype
+    columns: int = 1  # values per row: a tensor of [rows, columns]
+    per_turn: bool = False  # one value per turn
+    # The value for files written before this tensor existed, from the number of turns; None: required.
+    older_files: Callable[[int], list] | None = None
+
+
+@dataclass(frozen=True)
+class _HeaderValue:
+    """A record field stored in the JSON header."""
+
+    key: str  # the header's key
+    encode: Callable[[Any], Any] = lambda value: value
+    decode: Callable[[Any], Any] = lambda value: value
+    # The value for files written without this key; None: required.
+    older_files: Callable[[], Any] | None = None
+
+
+_TENSORS: dict[str, _Tensor] = {
+    "token_ids": _Tensor("input_ids", "i", np.int32),
+    "loss_mask": _Tensor("loss_mask", "B", np.uint8),
+    "logprobs": _Tensor("logprobs", "f", np.float32),
+    "turn_bounds": _Tensor("turn_bounds", "i", np.int32, columns=TURN_BOUND_FIELDS),
+    # Written before versions, weight updates mid-turn and temperatures were recorded: unknown, none.
+    "turn_versions": _Tensor(
+        "turn_versions", "i", np.int32, per_turn=True, older_files=lambda turns: [UNKNOWN_VERSION] * turns
+    ),
+    "version_changes": _Tensor(
+        "version_changes", "i", np.int32, columns=VERSION_CHANGE_FIELDS, older_files=lambda turns: []
+    ),
+    "turn_temperatures": _Tensor(
+        "turn_temperatures",
+        "f",
+        np.float32,
+        per_turn=True,
+        older_files=lambda turns: [UNKNOWN_TEMPERATURE] * turns,
+    ),
+    "turn_tempered": _Tensor(
+        "turn_tempered", "B", np.uint8, per_turn=True, older_files=lambda turns: [0] * turns
+    ),
+}
+
+_HEADER: dict[str, _HeaderValue] = {
+    "session_id": _HeaderValue("session_id"),
+    "key_digest": _HeaderValue("key_sha256", bytes.hex, bytes.fromhex),
+    "created_at": _HeaderValue("created_at", decode=float),
+    "metadata": _HeaderValue("metadata", decode=lambda value: dict(value or {}), older_files=dict),
+    "message_count": _HeaderValue("message_count", decode=int),
+    "history_digest": _HeaderValue("history_digest", bytes.hex, bytes.fromhex),
+    "last_output_stopped": _HeaderValue("last_output_stopped", decode=bool),
+    "last_stop_token": _HeaderValue("last_stop_token", older_files=lambda: None),
+    "reward": _HeaderValue("reward", older_files=lambda: None),
+    "turn_rewards": _HeaderValue(
+        "turn_rewards",
+        lambda rewards: {str(turn): value for turn, value in rewards.items()},
+        lambda rewards: {int(turn): float(value) for turn, value in (rewards or {}).items()},
+        older_files=dict,
+    ),
+    "finished": _HeaderValue("finished", decode=bool, older_files=lambda: False),
+}
+
+
+def _check_storage_covers_the_record() -> None:
+    tensors, header = set(_TENSORS), set(_HEADER)
+    missing = set(RECORD_FIELDS) - tensors - header
+    extra = (tensors | header) - set(RECORD_FIELDS)
+    if missing or extra or tensors & header:
+        raise RuntimeError(
+            f"the dump format and SessionRecord disagree: not stored {sorted(missing)}, "
+            f"not on the record {sorted(extra)}, stored twice {sorted(tensors & header)}"
+        )
+
+
+_check_storage_covers_the_record()
 
 
 def area_dir(dump_dir: Path, area: str) -> Path:
@@ -100,36 +191,15 @@ def dump_file_path(dump_dir: Path, area: str, session_id: str, stamp_ms: int | N
 
 
 def encode_record(record: SessionRecord, reason: str) -> bytes:
-    tensors: dict[str, np.ndarray] = {
-        "input_ids": np.frombuffer(record.token_ids, dtype=np.int32),
-        "loss_mask": np.frombuffer(record.loss_mask, dtype=np.uint8),
-        "logprobs": np.frombuffer(record.logprobs, dtype=np.float32),
-        "turn_bounds": np.frombuffer(record.turn_bounds, dtype=np.int32).reshape(-1, TURN_BOUND_FIELDS),
-        "turn_versions": np.frombuffer(record.turn_versions, dtype=np.int32),
-        "version_changes": np.frombuffer(record.version_changes, dtype=np.int32).reshape(
-            -1, VERSION_CHANGE_FIELDS
-        ),
-        "turn_temperatures": np.frombuffer(record.turn_temperatures, dtype=np.float32),
-        "turn_tempered": np.frombuffer(record.turn_tempered, dtype=np.uint8),
-    }
-    header = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "reason": reason,
-        "dumped_at": time.time(),
-        "session_id": record.session_id,
-        "key_sha256": record.key_digest.hex(),
-        "created_at": record.created_at,
-        "metadata": record.metadata,
-        "message_count": record.message_count,
-        "history_digest": record.history_digest.hex(),
-        "last_output_stopped": record.last_output_stopped,
-        "last_stop_token": record.last_stop_token,
-        "reward": record.reward,
-        "turn_rewards": {str(k): v for k, v in record.turn_rewards.items()},
-        "finished": record.finished,
-        "checksums": {name: zlib.crc32(t.tobytes()) for name, t in tensors.items()},
-    }
+    tensors: dict[str, np.ndarray] = {}
+    for field_name, spec in _TENSORS.items():
+        tensor: np.ndarray = np.frombuffer(getattr(record, field_name), dtype=spec.dtype)
+        tensors[spec.name] = tensor.reshape(-1, spec.columns) if spec.columns > 1 else tensor
+    header: dict[str, Any] = {"format": FORMAT, "format_version": FORMAT_VERSION, "reason": reason}
+    header["dumped_at"] = time.time()
+    for field_name, value in _HEADER.items():
+        header[value.key] = value.encode(getattr(record, field_name))
+    header["checksums"] = {name: zlib.crc32(t.tobytes()) for name, t in tensors.items()}
     return safetensors_save(tensors, metadata={FORMAT: orjson.dumps(header).decode()})
 
 
@@ -197,58 +267,45 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
     if not isinstance(header.get("session_id"), str) or not is_valid_session_id(header["session_id"]):
         raise DumpFormatError(f"{path}: invalid session id {header.get('session_id')!r}")
     _verify_checksums(path, header, tensors)
-    token_ids = array("i", tensors["input_ids"].astype(np.int32, copy=False).tobytes())
-    loss_mask = array("B", tensors["loss_mask"].astype(np.uint8, copy=False).tobytes())
-    logprobs = array("f", tensors["logprobs"].astype(np.float32, copy=False).tobytes())
-    turn_bounds = array("i", tensors["turn_bounds"].astype(np.int32, copy=False).tobytes())
-    turns = len(turn_bounds) // TURN_BOUND_FIELDS
-    if "turn_versions" in tensors:
-        turn_versions = array("i", tensors["turn_versions"].astype(np.int32, copy=False).tobytes())
-    else:  # written before versions were recorded
-        turn_versions = array("i", [UNKNOWN_VERSION] * turns)
-    if len(turn_versions) != turns:
-        raise DumpFormatError(f"{path}: turn_versions do not match turn_bounds")
-    # Written before weight versions mid-turn and temperatures were recorded: none / unknown.
-    version_changes = _tensor_array(tensors, "version_changes", "i", np.int32, [])
-    turn_temperatures = _tensor_array(
-        tensors, "turn_temperatures", "f", np.float32, [UNKNOWN_TEMPERATURE] * turns
-    )
-    turn_tempered = _tensor_array(tensors, "turn_tempered", "B", np.uint8, [0] * turns)
-    if len(turn_temperatures) != turns or len(turn_tempered) != turns:
-        raise DumpFormatError(f"{path}: turn_temperatures or turn_tempered do not match turn_bounds")
+    for spec in _TENSORS.values():
+        if spec.older_files is None and spec.name not in tensors:
+            raise DumpFormatError(f"{path}: no {spec.name} tensor")
+    turns = tensors["turn_bounds"].size // TURN_BOUND_FIELDS
+    values: dict[str, Any] = {}
+    for field_name, spec in _TENSORS.items():
+        if spec.name in tensors:
+            data = tensors[spec.name].astype(spec.dtype, copy=False).tobytes()
+            values[field_name] = array(spec.typecode, data)
+        else:
+            values[field_name] = array(spec.typecode, spec.older_files(turns))  # type: ignore[misc]
+        if spec.per_turn and len(values[field_name]) != turns:
+            raise DumpFormatError(f"{path}: {spec.name} do not match turn_bounds")
+    for field_name, value in _HEADER.items():
+        if value.key in header:
+            values[field_name] = value.decode(header[value.key])
+        elif value.older_files is not None:
+            values[field_name] = value.older_files()
+        else:
+            raise DumpFormatError(f"{path}: no {value.key} in the header")
+    record = SessionRecord(**values)
+    _verify_shapes(path, record)
+    _verify_values(path, tensors)
+    return record
+
+
+def _verify_shapes(path: str | os.PathLike, record: SessionRecord) -> None:
+    token_ids, turn_bounds, version_changes = record.token_ids, record.turn_bounds, record.version_changes
     if len(version_changes) % VERSION_CHANGE_FIELDS or any(
         not 0 <= version_changes[i] < len(token_ids)
         for i in range(0, len(version_changes), VERSION_CHANGE_FIELDS)
     ):
         raise DumpFormatError(f"{path}: version_changes do not fit input_ids")
-    if not len(token_ids) == len(loss_mask) == len(logprobs):
+    if not len(token_ids) == len(record.loss_mask) == len(record.logprobs):
         raise DumpFormatError(f"{path}: input_ids, loss_mask and logprobs differ in length")
     if len(turn_bounds) % TURN_BOUND_FIELDS or any(b < 0 or b > len(token_ids) for b in turn_bounds):
         raise DumpFormatError(f"{path}: turn_bounds do not fit input_ids")
     if any(b > a for a, b in zip(turn_bounds[1:], turn_bounds, strict=False)):
         raise DumpFormatError(f"{path}: turn_bounds are not in order")
-    _verify_values(path, tensors)
-    return SessionRecord(
-        session_id=header["session_id"],
-        key_digest=bytes.fromhex(header["key_sha256"]),
-        created_at=float(header["created_at"]),
-        metadata=dict(header.get("metadata") or {}),
-        token_ids=token_ids,
-        loss_mask=loss_mask,
-        logprobs=logprobs,
-        turn_bounds=turn_bounds,
-        turn_versions=turn_versions,
-        version_changes=version_changes,
-        turn_temperatures=turn_temperatures,
-        turn_tempered=turn_tempered,
-        message_count=int(header["message_count"]),
-        history_digest=bytes.fromhex(header["history_digest"]),
-        last_output_stopped=bool(header["last_output_stopped"]),
-        last_stop_token=header.get("last_stop_token"),
-        reward=header.get("reward"),
-        turn_rewards={int(k): float(v) for k, v in (header.get("turn_rewards") or {}).items()},
-        finished=bool(header.get("finished", False)),
-    )
 
 
 def _verify_checksums(path: str | os.PathLike, header: dict, tensors: dict[str, np.ndarray]) -> None:
@@ -271,14 +328,6 @@ def _verify_values(path: str | os.PathLike, tensors: dict[str, np.ndarray]) -> N
     logprobs = tensors["logprobs"]
     if logprobs.size and not bool(np.isfinite(logprobs).all()):
         raise DumpFormatError(f"{path}: logprobs that are not finite numbers")
-
-
-def _tensor_array(
-    tensors: dict[str, np.ndarray], name: str, typecode: str, dtype: type, default: list
-) -> array:
-    if name not in tensors:
-        return array(typecode, default)
-    return array(typecode, tensors[name].astype(dtype, copy=False).tobytes())
 
 
 def list_live_dumps(dump_dir: Path, area: str = LIVE_AREA) -> list[Path]:

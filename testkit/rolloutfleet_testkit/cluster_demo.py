@@ -37,6 +37,7 @@ from rolloutfleet_testkit.processes import serve_app, wait_until_routed
 from rolloutfleet_testkit.session_ledger import SessionLedger
 from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
 from rolloutfleet_testkit.upstream_stub import create_app as create_upstream_stub
+from rolloutfleet_testkit.waiting import wait_for
 
 NAMESPACE = "rolloutfleet-demo"
 RELEASE = "rolloutfleet"
@@ -71,17 +72,16 @@ class Clock:
 def wait_until(clock: Clock, what: str, probe: Callable[[], tuple[Any, str]], timeout_s: float) -> Any:
     """Poll `probe` (→ result when done else a falsy value, and a progress line) once a second,
     printing the line whenever it changes; the result, or TimeoutError after `timeout_s`."""
-    deadline, last = time.monotonic() + timeout_s, None
-    while True:
+    shown: list[str | None] = [None]
+
+    def check() -> Any:
         done, line = probe()
-        if line != last:
+        if line != shown[0]:
             print(f"    [{clock.elapsed()}] {line}", flush=True)
-            last = line
-        if done:
-            return done
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what} (last: {line})")
-        time.sleep(1)
+            shown[0] = line
+        return done
+
+    return wait_for(check, timeout_s, what, 1, detail=lambda: f" (last: {shown[0]})")
 
 
 def fleet_status(kubectl: Kubectl) -> dict[str, Any]:

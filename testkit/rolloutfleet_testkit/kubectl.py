@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
+
+from rolloutfleet_testkit.waiting import wait_for
 
 
 class Kubectl:
@@ -47,14 +48,12 @@ class Kubectl:
     def wait_established(self, crd: str, timeout_s: float = 60) -> None:
         """Until the CRD is Established. (`kubectl wait --for=condition=Established` gives up at
         once while a just-created CRD has no conditions yet, which a large one may not for a moment.)"""
-        deadline = time.monotonic() + timeout_s
         query = '{.status.conditions[?(@.type=="Established")].status}'
-        while True:
-            result = self.run("get", "crd", crd, "-o", f"jsonpath={query}")
-            if result.returncode == 0 and result.stdout.strip() == "True":
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"CRD {crd} not Established after {timeout_s:.0f}s: {result.stderr.strip()}"
-                )
-            time.sleep(0.2)
+        last: list[subprocess.CompletedProcess[str]] = []
+
+        def established() -> bool:
+            last[:] = [self.run("get", "crd", crd, "-o", f"jsonpath={query}")]
+            return last[0].returncode == 0 and last[0].stdout.strip() == "True"
+
+        what = f"CRD {crd} to be Established"
+        wait_for(established, timeout_s, what, detail=lambda: f": {last[0].stderr.strip()}")

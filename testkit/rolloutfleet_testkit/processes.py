@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from rolloutfleet_testkit.waiting import wait_for
+
 LOOPBACK = "127.0.0.1"
 
 
@@ -169,11 +171,11 @@ def proxy_command(*args: str) -> list[str]:
 def wait_until_routed(router_url: str, timeout_s: float = 120) -> None:
     """The SGLang router answers /health before it has registered a worker: wait until /generate
     goes through."""
-    deadline = time.monotonic() + timeout_s
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}}
-    while time.monotonic() < deadline:
+
+    def routed() -> bool:
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.post(f"{router_url}/generate", json=body, timeout=10).status_code == 200:
-                return
-        time.sleep(0.3)
-    raise TimeoutError(f"the router at {router_url} never routed /generate to an engine")
+            return httpx.post(f"{router_url}/generate", json=body, timeout=10).status_code == 200
+        return False
+
+    wait_for(routed, timeout_s, f"the router at {router_url} to route /generate to an engine", 0.3)

@@ -7,6 +7,7 @@ from array import array
 from dataclasses import fields
 from pathlib import Path
 
+import pytest
 from rolloutfleet_proxy.dumps import LIVE_AREA, load_session_file, write_session_dump
 from rolloutfleet_proxy.session import Session
 from rolloutfleet_wire.session_record import RECORD_FIELDS, SessionRecord
@@ -68,3 +69,31 @@ def test_a_session_is_a_record_that_compares_by_identity():
     assert a != b and len({a, b}) == 2
     assert a.turn_rewards is None and a.to_record().turn_rewards == {}
     assert not hasattr(a, "__dict__")  # slots only: sessions are many
+
+
+def test_the_dump_format_refuses_to_load_without_a_place_for_every_field(monkeypatch):
+    from rolloutfleet_proxy import dumps
+
+    dumps._check_storage_covers_the_record()  # as shipped: every field has exactly one place
+    monkeypatch.delitem(dumps._HEADER, "finished")
+    with pytest.raises(RuntimeError, match=r"not stored \['finished'\]"):
+        dumps._check_storage_covers_the_record()
+    monkeypatch.setitem(dumps._HEADER, "finished", dumps._HEADER["reward"])
+    monkeypatch.setitem(dumps._HEADER, "token_ids", dumps._HEADER["reward"])
+    with pytest.raises(RuntimeError, match=r"stored twice \['token_ids'\]"):
+        dumps._check_storage_covers_the_record()
+
+
+def test_a_dump_without_a_required_value_is_refused_by_name(tmp_path: Path):
+    import orjson
+    from rolloutfleet_proxy.dumps import FORMAT, DumpFormatError
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    path = write_session_dump(tmp_path, LIVE_AREA, _full_record(), "drain")
+    with safe_open(str(path), framework="numpy") as f:
+        header = orjson.loads(f.metadata()[FORMAT])
+    del header["message_count"]
+    save_file(load_file(str(path)), str(path), metadata={FORMAT: orjson.dumps(header).decode()})
+    with pytest.raises(DumpFormatError, match="no message_count in the header"):
+        load_session_file(path)

@@ -28,7 +28,8 @@ VERSION_CHANGE_FIELDS = 2
 @dataclass(slots=True)
 class SessionRecord:
     """Everything persistent about a session; what dumps write and restores read. A new persistent
-    field is added here (and to the dump and journal formats that carry it)."""
+    field is added here, given its place in the proxy's dump format (`dumps._TENSORS` or `_HEADER`:
+    the proxy does not import until it has one), and to the journal if turns change it."""
 
     session_id: str
     key_digest: bytes

@@ -19,6 +19,7 @@ import httpx
 
 from rolloutfleet_testkit.cache import project_cache
 from rolloutfleet_testkit.processes import free_port
+from rolloutfleet_testkit.waiting import wait_for
 
 from .build import ensure_binaries
 from .pki import Pki, create_pki, kubeconfig
@@ -141,19 +142,22 @@ def _start(name: str, args: list[str], logs: Path) -> int:
 
 
 def _wait(url: str, timeout_s: float, client: httpx.Client, what: str, logs: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    last = ""
-    while time.monotonic() < deadline:
+    last = [""]
+
+    def answers_200() -> bool:
         try:
             response = client.get(url, timeout=2)
-            if response.status_code == 200:
-                return
-            last = f"{response.status_code} {response.text[:200]}"
         except httpx.HTTPError as exc:
-            last = type(exc).__name__
-        time.sleep(0.1)
-    tail = "\n".join((logs / f"{what}.log").read_text(errors="replace").splitlines()[-30:])
-    raise TimeoutError(f"{what} not ready at {url} after {timeout_s}s ({last})\n{tail}")
+            last[0] = type(exc).__name__
+            return False
+        last[0] = f"{response.status_code} {response.text[:200]}"
+        return response.status_code == 200
+
+    def detail() -> str:
+        tail = "\n".join((logs / f"{what}.log").read_text(errors="replace").splitlines()[-30:])
+        return f" at {url} ({last[0]})\n{tail}"
+
+    wait_for(answers_200, timeout_s, f"{what} to be ready", 0.1, detail=detail)
 
 
 def up(
