@@ -30,6 +30,7 @@ from rolloutfleet_operator.fleet import MemorySpec, parse_fleet
 from rolloutfleet_operator.manifests import HASH_EXEMPT_ENV, proxy_pod
 from rolloutfleet_operator.plan import ProxyPodView
 from rolloutfleet_testkit.crdgen import source_crd
+from rolloutfleet_wire.fleet_defaults import SPEC_DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "operator.md"
@@ -85,6 +86,30 @@ def test_every_spec_field_is_documented(doc):
     assert {"gateway.policy", "engines.gpusPerEngine", "externalEngineUrls"} <= set(paths)
     missing = missing_in(doc, paths)
     assert not missing, f"spec fields missing from {DOC.name}: {missing}"
+
+
+def spec_field_cells(doc: str) -> dict[str, list[str]]:
+    """The rows of the spec field tables (Field | Type | Default | Meaning | Reaches), by field; an
+    escaped `\\|` inside a cell (`sync` \\| `async`) stays in its cell."""
+    rows = {}
+    for line in table_rows(doc):
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip().strip("|"))]
+        if len(cells) == 5 and re.fullmatch(r"`[A-Za-z.]+`", cells[0]):
+            rows[cells[0].strip("`")] = cells
+    return rows
+
+
+def test_the_documented_defaults_are_the_crds(doc):
+    rows = spec_field_cells(doc)
+    assert "proxy.dump.durability" in rows  # a row with an escaped bar in its type
+    shown = {field: rows[field][2] for field in SPEC_DEFAULTS if field in rows}
+    assert sorted(set(SPEC_DEFAULTS) - set(shown)) == []
+    want = {
+        field: f"`{str(value).lower() if isinstance(value, bool) else value}`"
+        for field, value in SPEC_DEFAULTS.items()
+    }
+    wrong = {field: (shown[field], want[field]) for field in shown if shown[field] != want[field]}
+    assert not wrong, f"defaults in {DOC.name} differ from the CRD's (documented, CRD): {wrong}"
 
 
 def test_every_status_field_is_documented(doc):

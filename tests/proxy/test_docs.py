@@ -4,6 +4,8 @@ is documented."""
 from __future__ import annotations
 
 import ast
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -38,6 +40,35 @@ def test_every_setting_is_documented(doc):
         if part not in doc
     ]
     assert not missing, f"settings missing from {DOC.name}: {missing}"
+
+
+def documented_default(value: object) -> str:
+    """A default as the settings table writes it: `None` is "unset", booleans are lower case."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    return f"`{json.dumps(value) if isinstance(value, dict) else value}`"
+
+
+def test_the_documented_defaults_are_the_settings(doc):
+    row = re.compile(r"\| `([a-z_0-9]+)` \| `--[^|]*` \| `ROLLOUTFLEET_PROXY_[A-Z_0-9]+` \| ([^|]*) \|")
+    cells = {}
+    for line in doc.splitlines():
+        match = row.match(line)
+        if match:
+            cells[match.group(1)] = match.group(2).strip()
+    assert sorted(set(ProxySettings.model_fields) - set(cells)) == []
+    wrong = {}
+    for name, field in ProxySettings.model_fields.items():
+        if field.is_required():
+            want = "required"
+        else:
+            want = documented_default(field.get_default(call_default_factory=True))
+        shown = cells[name].split(" (")[0]  # "`8388608` (8 MiB)": the unit in brackets is a reading aid
+        if shown != want:
+            wrong[name] = (cells[name], want)
+    assert not wrong, f"defaults in {DOC.name} differ from the settings' (documented, code): {wrong}"
 
 
 def test_every_route_is_documented(doc, app):
