@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .dumps import STALE_AREA, write_session_dump
-from .errors import ProxyError
+from .failures import Failure
 from .heap import HeapTrimmer
 from .session import Session
 from .session_log import SessionLog
@@ -105,7 +105,7 @@ class StaleSessionCleaner:
             return None
         try:
             return self._log.ended(session, reason)
-        except ProxyError:
+        except Failure:
             return None  # storage unavailable: the session may come back after a restart (not lost)
 
     async def _commit_ends(self, pending: list) -> None:
@@ -114,7 +114,7 @@ class StaleSessionCleaner:
         for item in pending:
             try:
                 await self._log.commit(item)
-            except ProxyError as exc:
+            except Failure as exc:
                 log.error("departures of stale sessions not journaled (%s); they may be restored again", exc)
                 return
 

@@ -97,18 +97,6 @@ def draining(message: str) -> ProxyError:
     return unavailable(ErrorCode.DRAINING, message, DRAINING_RETRY_AFTER_S)
 
 
-def session_busy(session_id: str, why: str, retry_after_s: int | None = None) -> ProxyError:
-    return conflict(ErrorCode.SESSION_BUSY, f"session {session_id} {why}", retry_after_s)
-
-
-def storage_unavailable(what: str, reason: str) -> ProxyError:
-    return unavailable(
-        ErrorCode.STORAGE_UNAVAILABLE,
-        f"{what}: this proxy cannot write to its dump volume ({reason}); nothing was recorded",
-        STORAGE_RETRY_AFTER_S,
-    )
-
-
 # --- domain failures as answers -------------------------------------------------------------------
 
 
@@ -131,6 +119,11 @@ def http_error(failure: f.Failure) -> ProxyError:
             return gone(failure.code, failure.message)
         case f.ShuttingDown():
             return draining(failure.message)
+        case f.StorageUnavailable():
+            return unavailable(failure.code, failure.message, STORAGE_RETRY_AFTER_S)
+        case f.DeletionNotDurable():
+            cause = http_error(failure.cause)
+            return ProxyError(cause.status, cause.code, failure.message, cause.headers)
         case f.PauseOutlasted() | f.UpstreamAborted():
             return unavailable(failure.code, failure.message, 1)
         case f.NoNewMessages() | f.NewMessagesTooLarge() | f.TemplateFailed():

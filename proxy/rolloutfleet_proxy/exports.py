@@ -30,8 +30,8 @@ from .dumps import (
     quarantine,
     write_batch_dump,
 )
-from .errors import ProxyError
 from .export_buffer import ExportBatch, ExportBuffer, new_batch
+from .failures import Failure
 from .generation import GenerationControl
 from .ids import new_batch_id
 from .session_log import SessionLog
@@ -126,10 +126,10 @@ class ExportService:
         try:
             self._log.require_writable("nothing was exported")
             await asyncio.to_thread(write_batch_dump, self._dump_dir, LIVE_EXPORTS_AREA, batch_id, data)
-        except (OSError, ProxyError) as exc:
+        except (OSError, Failure) as exc:
             for session in sessions:
                 self._store.reattach(session)
-            if isinstance(exc, ProxyError):
+            if isinstance(exc, Failure):
                 raise
             self._counters.dump_failures += 1
             self._log.health.fail(f"writing export batch {batch_id} failed: {exc}")
@@ -139,7 +139,7 @@ class ExportService:
             pending = [self._log.ended(s, reason) for s in sessions]
             for item in pending:
                 await self._log.commit(item)
-        except ProxyError:
+        except Failure:
             # Not journaled: the sessions stay, and the batch file must not outlive this refusal.
             for session in sessions:
                 self._store.reattach(session)

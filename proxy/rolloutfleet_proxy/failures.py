@@ -1,4 +1,4 @@
-"""Why the store, the export buffer, the generation gate and a turn refuse: domain exceptions.
+"""Why the store, the journal, the export buffer, the generation gate and a turn refuse: domain exceptions.
 
 Each carries its ErrorCode and the facts, and knows no HTTP: `errors.http_error` is the one place
 they become an answer (status, headers). Raising one never changes state.
@@ -83,6 +83,33 @@ class SessionsNotFinished(Failure):
     def __init__(self, session_ids: list[str]):
         super().__init__(f"sessions not finished (finish them first): {_some(session_ids)}")
         self.session_ids = session_ids
+
+
+# --- storage (the journal and the dump volume) ----------------------------------------------------
+
+
+class StorageUnavailable(Failure):
+    """The proxy cannot write to its dump volume: nothing was recorded."""
+
+    code = ErrorCode.STORAGE_UNAVAILABLE
+
+    def __init__(self, what: str, reason: str):
+        super().__init__(
+            f"{what}: this proxy cannot write to its dump volume ({reason}); nothing was recorded"
+        )
+        self.what, self.reason = what, reason
+
+
+class DeletionNotDurable(Failure):
+    """A session was removed from memory, but its deletion could not be journaled (`cause`)."""
+
+    def __init__(self, session_id: str, cause: Failure):
+        super().__init__(
+            f"session {session_id} is deleted here, but the deletion could not be made durable: it may "
+            f"come back after a restart of this proxy ({cause.message})"
+        )
+        self.session_id, self.cause = session_id, cause
+        self.code = cause.code  # type: ignore[misc]  # the cause's
 
 
 # --- export batches -------------------------------------------------------------------------------

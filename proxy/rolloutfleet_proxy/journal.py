@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ProxyError, draining, storage_unavailable
+from .failures import ShuttingDown, StorageUnavailable
 
 log = logging.getLogger("rolloutfleet.proxy.journal")
 
@@ -83,8 +83,8 @@ class StorageHealth:
             self.since = time.time()
         self.ok, self.reason = True, ""
 
-    def refuse(self, what: str) -> ProxyError:
-        return storage_unavailable(what, self.reason)
+    def refuse(self, what: str) -> StorageUnavailable:
+        return StorageUnavailable(what, self.reason)
 
 
 @dataclass
@@ -163,7 +163,7 @@ class Journal:
         """Queue a record (the change it describes is already applied in memory). Returns what to pass
         to `commit`. Raises storage_unavailable when the journal cannot write."""
         if self._closed:
-            raise draining("the proxy is shutting down; nothing was recorded")
+            raise ShuttingDown("the proxy is shutting down; nothing was recorded")
         if not self.health.ok:
             raise self.health.refuse("refused")
         future = asyncio.get_running_loop().create_future() if self.durability == "sync" else None

@@ -14,15 +14,14 @@ from starlette.responses import Response
 
 from .admission import CONCURRENCY_RETRY_AFTER_S, STALENESS_RETRY_AFTER_S, limiting_bound
 from .errors import (
-    ProxyError,
     bad_request,
     draining,
     invalid_session_id,
     not_a_json_object,
-    session_busy,
     too_many,
     unavailable,
 )
+from .failures import DeletionNotDurable, Failure, TurnInFlight
 from .ids import is_valid_new_session_id, key_digest, new_session_id, new_session_key
 from .openai_format import json_body
 from .responses import json_response
@@ -99,7 +98,7 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
         runtime.store.add(session)
         try:
             await runtime.log.commit(runtime.log.created(session))
-        except ProxyError:
+        except Failure:
             runtime.store.discard_new(session)  # nobody has its key: as if it never was
             raise
         runtime.counters.sessions_created += 1
@@ -140,14 +139,8 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
         runtime.counters.sessions_evicted += 1
         try:
             await runtime.log.commit(runtime.log.ended(session, "deleted by the client"))
-        except ProxyError as exc:
-            raise ProxyError(
-                exc.status,
-                exc.code,
-                f"session {session_id} is deleted here, but the deletion could not be made durable: it may "
-                f"come back after a restart of this proxy ({exc.message})",
-                exc.headers,
-            ) from None
+        except Failure as exc:
+            raise DeletionNotDurable(session_id, exc) from None
         return Response(status_code=204)
 
     @router.post("/v1/sessions/{session_id}/reward")
@@ -180,7 +173,7 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
     async def finish(session_id: str, request: Request) -> Response:
         session = authorized_session(request, session_id)
         if session.busy:
-            raise session_busy(session_id, "has a turn in flight")
+            raise TurnInFlight(session_id)
         if runtime.store.mark_finished(session):
             runtime.counters.sessions_finished += 1
             await runtime.log.commit(runtime.log.finished(session))

@@ -218,7 +218,7 @@ class TurnService:
                     t_journal = time.perf_counter()
                     await self._log.commit(pending)
                     timings["journal_ms"] = _ms(t_journal, time.perf_counter())
-            except ProxyError:
+            except Failure:
                 # Not durable, so not delivered: the session is as it was, the client may retry the turn.
                 removed = session.rollback(mark)
                 if not session.closed:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from rolloutfleet_proxy import journal_records as jr
 from rolloutfleet_proxy.dumps import LIVE_AREA, load_session_file, write_session_dump
-from rolloutfleet_proxy.errors import ProxyError
+from rolloutfleet_proxy.errors import http_error
+from rolloutfleet_proxy.failures import StorageUnavailable
 from rolloutfleet_proxy.ids import key_digest
 from rolloutfleet_proxy.journal import Journal, StorageHealth, journal_dir, list_segments
 from rolloutfleet_proxy.recovery import Replay, recover
@@ -208,11 +209,12 @@ async def test_a_failed_write_refuses_commits_and_appends_until_storage_recovers
     for _, path in list_segments(journal_dir(tmp_path)):
         path.unlink()
     journal_dir(tmp_path).rmdir()
-    with pytest.raises(ProxyError) as failed:
+    with pytest.raises(StorageUnavailable) as failed:
         await journal.write(jr.create_record("session-b1", KEY, 1.0, {}))
-    assert failed.value.status == 503 and failed.value.code == "storage_unavailable"
+    answer = http_error(failed.value)
+    assert answer.status == 503 and answer.code == "storage_unavailable" and answer.headers["Retry-After"]
     assert not health.ok and "journal write failed" in health.reason
-    with pytest.raises(ProxyError):
+    with pytest.raises(StorageUnavailable):
         journal.append(jr.create_record("session-c1", KEY, 1.0, {}))
     journal_dir(tmp_path).mkdir()
     health.recover()

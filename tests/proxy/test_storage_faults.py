@@ -43,6 +43,7 @@ def test_read_only_remount_mid_run_is_reported_refused_and_recovered(
             sglang_emulator_url, test_tokenizer_dir, dumps, storage_check_interval_s=0.1
         ) as proxy:
             sid, key = proxy.create_session()
+            doomed, _ = proxy.create_session()
             messages: list[dict] = []
             assert converse(proxy.url, sid, key, messages, "before").status_code == 200
             before = session_state(proxy.url, sid, key)
@@ -59,6 +60,13 @@ def test_read_only_remount_mid_run_is_reported_refused_and_recovered(
             refused = converse(proxy.url, sid, key, messages, "while read-only")
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "storage_unavailable"
             assert session_state(proxy.url, sid, key) == before  # unchanged
+            # A deletion takes effect in memory, and the answer says it may not survive a restart.
+            deleted = httpx.delete(f"{proxy.url}/v1/sessions/{doomed}", headers=ADMIN)
+            assert deleted.status_code == 503 and deleted.json()["error"]["code"] == "storage_unavailable"
+            assert f"session {doomed} is deleted here" in deleted.json()["error"]["message"]
+            assert deleted.headers["retry-after"] == "5"
+            gone = httpx.get(f"{proxy.url}/v1/sessions/{doomed}", headers=ADMIN)
+            assert gone.status_code in (404, 410)
             stats = proxy.stats()
             assert stats["storage"]["writable"] is False and stats["storage"]["failures"] == 1
             metrics = httpx.get(f"{proxy.url}/metrics").text
