@@ -13,7 +13,7 @@ import pytest
 from rolloutfleet_proxy.app import create_app
 from rolloutfleet_proxy.runtime import ProxyRuntime
 from rolloutfleet_proxy.settings import ProxySettings
-from rolloutfleet_testkit.processes import serve_app
+from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, serve_app
 
 ADMIN_KEY = "test-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -58,6 +58,24 @@ def running_proxy(
     runtime = ProxyRuntime(settings)
     with serve_app(create_app(settings, runtime)) as url:
         yield RunningProxy(url, runtime, dump_dir)
+
+
+def proxy_process(
+    upstream_url: str, tokenizer_dir: Path, dump_dir: Path, log: Path, *args: str
+) -> tuple[ServerProcess, str]:
+    """The proxy in a process of its own (`python -m rolloutfleet_proxy`, as a pod runs it), with
+    `args` added; returned at once, not waited for. Its URL."""
+    port = free_port()
+    process = ServerProcess(
+        proxy_command(
+            *("--host", "127.0.0.1", "--port", str(port), "--upstream-url", upstream_url),
+            *("--tokenizer-path", str(tokenizer_dir), "--dump-dir", str(dump_dir)),
+            *args,
+        ),
+        log,
+        env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
+    )
+    return process, f"http://127.0.0.1:{port}"
 
 
 def chat_body(messages: list[dict], **params) -> dict:

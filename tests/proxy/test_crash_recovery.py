@@ -14,8 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from proxy_harness import ADMIN, ADMIN_KEY, chat_body
-from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, serve_app
+from proxy_harness import ADMIN, chat_body, proxy_process
+from rolloutfleet_testkit.processes import ServerProcess, serve_app
 from rolloutfleet_testkit.sglang_emulator.server import create_app as create_engine_app
 
 KILLS = 10
@@ -39,27 +39,10 @@ class Delivered:
 
 
 def spawn(engine_url: str, tokenizer_dir: Path, dumps: Path, log: Path) -> tuple[ServerProcess, str]:
-    port = free_port()
-    process = ServerProcess(
-        proxy_command(
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--upstream-url",
-            engine_url,
-            "--tokenizer-path",
-            str(tokenizer_dir),
-            "--dump-dir",
-            str(dumps),
-            "--journal-compact-bytes",
-            "65536",  # compactions happen during the load, so kills land around them too
-            "--no-log-requests",
-        ),
-        log,
-        env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
+    # Compactions happen during the load, so kills land around them too.
+    return proxy_process(
+        engine_url, tokenizer_dir, dumps, log, "--journal-compact-bytes", "65536", "--no-log-requests"
     )
-    return process, f"http://127.0.0.1:{port}"
 
 
 def kill(process: ServerProcess) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from proxy_harness import ADMIN, ADMIN_KEY, chat_body
+from proxy_harness import ADMIN, ADMIN_KEY, chat_body, proxy_process
 from rolloutfleet_proxy.dumps import LIVE_AREA
 from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, serve_app
 from rolloutfleet_testkit.sglang_emulator.server import create_app as create_engine_app
@@ -24,26 +24,7 @@ def engine_url(test_tokenizer_dir):
 
 
 def start_proxy(engine_url: str, tokenizer_dir: Path, dump_dir: Path, log: Path) -> tuple[ServerProcess, str]:
-    port = free_port()
-    process = ServerProcess(
-        proxy_command(
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--upstream-url",
-            engine_url,
-            "--tokenizer-path",
-            str(tokenizer_dir),
-            "--dump-dir",
-            str(dump_dir),
-            "--drain-grace-s",
-            "10",
-        ),
-        log,
-        env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
-    )
-    url = f"http://127.0.0.1:{port}"
+    process, url = proxy_process(engine_url, tokenizer_dir, dump_dir, log, "--drain-grace-s", "10")
     process.wait_ready(f"{url}/readyz", 90)
     return process, url
 
