@@ -270,7 +270,7 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
     for spec in _TENSORS.values():
         if spec.older_files is None and spec.name not in tensors:
             raise DumpFormatError(f"{path}: no {spec.name} tensor")
-    turns = tensors["turn_bounds"].size // TURN_BOUND_FIELDS
+    turns = tensors[_TENSORS["turn_bounds"].name].size // TURN_BOUND_FIELDS
     values: dict[str, Any] = {}
     for field_name, spec in _TENSORS.items():
         if spec.name in tensors:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
@@ -27,3 +28,10 @@ def wait_for(
             more = detail() if detail is not None else ""
             raise TimeoutError(f"timed out after {timeout_s:g}s waiting for {what}{more}")
         time.sleep(interval_s)
+
+
+def log_tail(log: Path | None, lines: int = 30) -> str:
+    """The last `lines` of a log, on lines of their own after a newline: a wait's `detail`."""
+    if log is None or not log.exists():
+        return ""
+    return "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])

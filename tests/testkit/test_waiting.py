@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from rolloutfleet_testkit.waiting import wait_for
+from rolloutfleet_testkit.waiting import log_tail, wait_for
 
 
 def test_returns_the_first_truthy_value_of_the_probe():
@@ -21,3 +21,10 @@ def test_a_timeout_names_what_it_waited_for_and_the_detail():
         wait_for(lambda: calls.append(1), 0.2, "the node", 0.05, detail=lambda: ": last 503")
     assert 0.2 <= time.monotonic() - started < 2
     assert 3 <= len(calls) <= 10  # polled at its interval, and once more at the deadline
+
+
+def test_the_log_tail_is_the_last_lines_or_nothing(tmp_path):
+    log = tmp_path / "kubelet.log"
+    assert log_tail(log) == "" and log_tail(None) == ""
+    log.write_text("".join(f"line {i}\n" for i in range(40)))
+    assert log_tail(log, lines=2) == "\nline 38\nline 39"

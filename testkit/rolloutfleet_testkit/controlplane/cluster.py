@@ -19,7 +19,7 @@ import httpx
 
 from rolloutfleet_testkit.cache import project_cache
 from rolloutfleet_testkit.processes import free_port
-from rolloutfleet_testkit.waiting import wait_for
+from rolloutfleet_testkit.waiting import log_tail, wait_for
 
 from .build import ensure_binaries
 from .pki import Pki, create_pki, kubeconfig
@@ -154,8 +154,7 @@ def _wait(url: str, timeout_s: float, client: httpx.Client, what: str, logs: Pat
         return response.status_code == 200
 
     def detail() -> str:
-        tail = "\n".join((logs / f"{what}.log").read_text(errors="replace").splitlines()[-30:])
-        return f" at {url} ({last[0]})\n{tail}"
+        return f" at {url} ({last[0]}){log_tail(logs / f'{what}.log')}"
 
     wait_for(answers_200, timeout_s, f"{what} to be ready", 0.1, detail=detail)
 

@@ -43,7 +43,7 @@ from rolloutfleet_testkit.images.oci import ImportFailed, import_archive
 from rolloutfleet_testkit.images.static import static_image
 from rolloutfleet_testkit.kubectl import Kubectl
 from rolloutfleet_testkit.processes import free_port
-from rolloutfleet_testkit.waiting import wait_for
+from rolloutfleet_testkit.waiting import log_tail, wait_for
 
 from . import host
 from .binaries import COREDNS_VERSION, PAUSE_VERSION, ensure_node_binaries
@@ -202,12 +202,6 @@ def _stop(pid: int, timeout_s: float = 20) -> None:
 def _wait(what: str, check, timeout_s: float, log: Path | None = None, interval_s: float = 0.2):
     """`wait_for`, with the tail of `log` in the error."""
     return wait_for(check, timeout_s, what, interval_s, detail=lambda: log_tail(log))
-
-
-def log_tail(log: Path | None, lines: int = 30) -> str:
-    if log is None or not log.exists():
-        return ""
-    return "\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
 def image_store(node: NodeSpec) -> Path:
