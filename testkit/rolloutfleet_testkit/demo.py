@@ -18,7 +18,7 @@ import httpx
 from openai import AsyncOpenAI
 
 from rolloutfleet_testkit.cache import project_cache
-from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, python_module
+from rolloutfleet_testkit.processes import ServerProcess, free_ports, proxy_command, python_module
 from rolloutfleet_testkit.tokenizer_builder import build_test_tokenizer
 
 ADMIN_KEY = "demo-admin-key"
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
     step("building the local test tokenizer (no hub downloads)")
     tokenizer_dir = build_test_tokenizer(cache / "test-tokenizer")
-    engine_port, proxy_port = free_port(), free_port()
+    engine_port, proxy_port = free_ports(2)
     engine_url, proxy_url = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{proxy_port}"
 
     step(f"starting the SGLang emulator (test stand-in for SGLang) on {engine_url}")

@@ -26,9 +26,20 @@ LOOPBACK = "127.0.0.1"
 
 def free_port(host: str = LOOPBACK) -> int:
     """A TCP port that was free a moment ago (another process may still take it before use)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """`count` different TCP ports that were free a moment ago. The sockets are held until all are
+    chosen: ports picked one after another can repeat (the kernel may hand a just-closed port out
+    again), which once gave etcd the same client and peer port."""
+    with contextlib.ExitStack() as held:
+        ports = []
+        for _ in range(count):
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
 
 
 def wait_http_ok(

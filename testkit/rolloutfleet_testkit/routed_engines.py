@@ -7,7 +7,7 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
-from .processes import ServerProcess, free_port, python_module, serve_app, wait_until_routed
+from .processes import ServerProcess, free_ports, python_module, serve_app, wait_until_routed
 
 
 @contextlib.contextmanager
@@ -23,7 +23,7 @@ def routed_emulators(
             stack.enter_context(serve_app(create_app(str(tokenizer_dir), seed=0, **emulator)))  # type: ignore[arg-type]
             for _ in range(count)
         ]
-        port, metrics = free_port(), free_port()
+        port, metrics = free_ports(2)
         args = python_module(
             "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
             "--worker-urls", *engines, "--policy", policy, "--log-level", "warn",

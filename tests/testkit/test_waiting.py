@@ -28,3 +28,15 @@ def test_the_log_tail_is_the_last_lines_or_nothing(tmp_path):
     assert log_tail(log) == "" and log_tail(None) == ""
     log.write_text("".join(f"line {i}\n" for i in range(40)))
     assert log_tail(log, lines=2) == "\nline 38\nline 39"
+
+
+def test_ports_picked_together_are_distinct_and_free():
+    import socket
+
+    from rolloutfleet_testkit.processes import free_ports
+
+    ports = free_ports(50)
+    assert len(set(ports)) == 50
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free again once chosen

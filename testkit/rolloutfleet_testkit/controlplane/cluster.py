@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 
 from rolloutfleet_testkit.cache import project_cache
-from rolloutfleet_testkit.processes import free_port
+from rolloutfleet_testkit.processes import free_ports
 from rolloutfleet_testkit.waiting import log_tail, wait_for
 
 from .build import ensure_binaries
@@ -181,10 +181,8 @@ def up(
     say(f"certificates and keys in {root / 'pki'}")
     server_ips = (address,) if address != LOOPBACK else ()
     pki = create_pki(root / "pki", server_ips=server_ips, nodes=nodes)
-    ports = {
-        name: free_port()
-        for name in ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
-    }
+    names = ("etcd", "etcd-peer", "kube-apiserver", "kube-controller-manager", "kube-scheduler")
+    ports = dict(zip(names, free_ports(len(names)), strict=True))
     server = f"https://{address}:{ports['kube-apiserver']}"
     for stem, name in (
         ("admin", "admin"),

@@ -42,7 +42,7 @@ from rolloutfleet_testkit.controlplane.pki import Pki, kubeconfig
 from rolloutfleet_testkit.images.oci import ImportFailed, import_archive
 from rolloutfleet_testkit.images.static import static_image
 from rolloutfleet_testkit.kubectl import Kubectl
-from rolloutfleet_testkit.processes import free_port
+from rolloutfleet_testkit.processes import free_port, free_ports
 from rolloutfleet_testkit.waiting import log_tail, wait_for
 
 from . import host
@@ -383,7 +383,7 @@ def _bring_up(cluster: RealCluster, archives: list[Path], timeout_s: float, prog
     progress(f"containerd and kubelet started for {', '.join(node_names)}")
     proxy_kubeconfig = root / "kube-proxy.kubeconfig"
     proxy_kubeconfig.write_text(kubeconfig(state.apiserver_url, pki, "kube-proxy"))
-    proxy_config = kube_proxy_config(proxy_kubeconfig, NODES[0].name, free_port(), free_port())
+    proxy_config = kube_proxy_config(proxy_kubeconfig, NODES[0].name, *free_ports(2))
     (root / "kube-proxy-config.json").write_text(json.dumps(proxy_config, indent=2))
     pids["kube-proxy"] = _start(
         "kube-proxy", [str(bins / "kube-proxy"), f"--config={root / 'kube-proxy-config.json'}"], logs
