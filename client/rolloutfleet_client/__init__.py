@@ -22,7 +22,7 @@ from .errors import (
     SessionLost,
     TurnOutcomeUnknown,
 )
-from .fleet_client import FleetClient, Session
+from .fleet_client import FleetClient, Session, turn_ids
 from .retry import Backoff
 
 __all__ = [
@@ -37,4 +37,5 @@ __all__ = [
     "SessionError",
     "SessionLost",
     "TurnOutcomeUnknown",
+    "turn_ids",
 ]

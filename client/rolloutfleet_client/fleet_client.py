@@ -18,9 +18,11 @@ them), calls for its sessions wait and go on, with the same request:
   this client never starts a new session in its place), 410 (`SessionEnded`), 409 and 400 (a
   client bug or a history mismatch: `ProxyRequestError` with the proxy's message), every other
   4xx and 5xx, and read timeouts;
-- a turn whose connection broke after it was sent is resent; if the proxy then says the turn is
-  still running (409 `session_busy`) the client waits, and if it says the turn was recorded (400
-  `no_new_messages`) the reply is lost and `TurnOutcomeUnknown` is raised;
+- a turn whose connection broke after it was sent is resent with the same `Idempotency-Key` (every
+  turn carries one): if the proxy recorded it, it answers from the record (exactly once, across its
+  restarts); if it says the turn is still running (409 `session_busy`) the client waits; a proxy
+  too old to replay says the turn was recorded (400 `no_new_messages`) and `TurnOutcomeUnknown` is
+  raised;
 - waits grow exponentially from 0.2 s to at most 5 s (at least the proxy's `Retry-After`), and
   one call waits at most `restart_timeout_s` from its first failure, then raises
   `OwnerUnavailable`. Every wait is logged at info on the `rolloutfleet.client` logger.
@@ -46,6 +48,7 @@ import asyncio
 import collections
 import logging
 import random
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +85,15 @@ from .retry import (
 log = logging.getLogger("rolloutfleet.client")
 
 DEFAULT_MODEL = "rolloutfleet"
+
+
+IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+def turn_ids(response: Mapping[str, Any]) -> list[int]:
+    """The recorded turn of each choice of a chat response (one per choice; `n` > 1: several)."""
+    extra = response.get("rolloutfleet") or {}
+    return list(extra.get("turns") or [extra["turn"]])
 
 
 @dataclass(eq=False)
@@ -300,17 +312,38 @@ class FleetClient:
 
     # --- session calls --------------------------------------------------------------------------
 
-    async def chat(self, session: Session, messages: Sequence[Mapping[str, Any]], **params: Any) -> dict:
-        """One turn: POST {owner}/v1/sessions/{id}/chat/completions. Send the whole conversation,
-        with earlier replies exactly as returned (tool calls included; `reasoning_content` may be
-        kept or dropped). `params` are the request's other fields: `max_tokens`, `temperature`, ...,
-        `tools`, `tool_choice`, `chat_template_kwargs` (e.g. {"enable_thinking": False}). Returns the
-        OpenAI-style response dict; its message carries `tool_calls` and `reasoning_content` when the
-        proxy's parsers found them."""
+    async def chat(
+        self,
+        session: Session,
+        messages: Sequence[Mapping[str, Any]],
+        n: int = 1,
+        regenerate: bool = False,
+        **params: Any,
+    ) -> dict:
+        """One turn: POST {owner}/v1/sessions/{id}/chat/completions. Send the whole conversation of
+        the branch you continue, with earlier replies exactly as returned (tool calls included;
+        `reasoning_content` may be kept or dropped): a history that leaves the latest branch (a
+        compaction, a return to an earlier turn, a sub-agent) starts a branch where it differs.
+        `n` > 1 samples n replies of the same prompt (a GRPO group), one branch each; `regenerate`
+        asks for a new sample of a request answered before (otherwise it is answered again from the
+        record). `params` are the request's other fields: `max_tokens`, `temperature`, ...,
+        `tools`, `tool_choice`, `chat_template_kwargs` (e.g. {"enable_thinking": False}).
+
+        Returns the OpenAI-style response dict; its messages carry `tool_calls` and
+        `reasoning_content` when the proxy's parsers found them, and `turn_ids(response)` gives the
+        recorded turn of each choice (for per-turn rewards)."""
         if params.get("stream"):
             raise ValueError("chat() does not stream; use openai_base_url() with the openai client for that")
         body = {"model": params.pop("model", DEFAULT_MODEL), "messages": list(messages), **params}
-        response = await self._session_call(session, "POST", "/chat/completions", TURN, json=body)
+        if n != 1:
+            body["n"] = n
+        if regenerate:
+            body["regenerate"] = True
+        # One key per turn, the same on every resend: the proxy answers a resend from its record.
+        headers = {IDEMPOTENCY_HEADER: secrets.token_urlsafe(16)}
+        response = await self._session_call(
+            session, "POST", "/chat/completions", TURN, json=body, extra_headers=headers
+        )
         session.turns += 1
         return response.json()
 
@@ -351,11 +384,18 @@ class FleetClient:
         return response.status_code == 200
 
     async def _session_call(
-        self, session: Session, method: str, suffix: str, call: str, **kwargs: Any
+        self,
+        session: Session,
+        method: str,
+        suffix: str,
+        call: str,
+        extra_headers: Mapping[str, str] | None = None,
+        **kwargs: Any,
     ) -> httpx.Response:
         """Send a session call to the owner, riding through its restart (rules: module docstring)."""
         sid, owner = session.session_id, session.owner
         url = f"{owner}/v1/sessions/{sid}{suffix}"
+        headers = {**self._auth(session.session_key), **(extra_headers or {})}
         loop = asyncio.get_running_loop()
         first_failure: float | None = None
         attempt = 0
@@ -363,9 +403,7 @@ class FleetClient:
         while True:
             retry_after = None
             try:
-                response = await self._http.request(
-                    owner, method, url, headers=self._auth(session.session_key), **kwargs
-                )
+                response = await self._http.request(owner, method, url, headers=headers, **kwargs)
             except httpx.TransportError as exc:
                 verdict = classify_exception(exc)
                 if verdict.action is Action.FATAL:

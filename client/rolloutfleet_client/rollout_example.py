@@ -92,7 +92,7 @@ async def run_session(
             {"role": "user", "content": question},
         ]
         scores: list[float] = []
-        offered = {"tools": [CALCULATOR_TOOL]} if tools else {}
+        offered: dict[str, Any] = {"tools": [CALCULATOR_TOOL]} if tools else {}
         outcome.began = time.perf_counter()
         for turn in range(turns):
             sent = time.perf_counter()

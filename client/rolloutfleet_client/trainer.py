@@ -71,7 +71,12 @@ class PulledBatch:
 
     @property
     def num_trajectories(self) -> int:
+        """Samples in the batch (one per session by default; per leaf or per turn when asked)."""
         return self.decoded.num_trajectories
+
+    @property
+    def num_sessions(self) -> int:
+        return len({info["session_id"] for info in self.decoded.header["trajectories"]})
 
     def trajectories(self) -> list[dict[str, Any]]:
         """Per trajectory: proxy, batch, session id, session metadata, reward, model versions."""
@@ -89,6 +94,7 @@ class PulledBatch:
                     "metadata": info["metadata"],
                     "num_tokens": end - start,
                     "reward": None if np.isnan(reward) else reward,
+                    "sample": info.get("sample"),  # its place in the session's tree
                 }
             )
         return infos
@@ -197,13 +203,23 @@ class TrainerClient:
         max_trajectories: int | None = None,
         session_ids: list[str] | None = None,
         retries: int | None = None,
+        samples: str = "latest",
+        drop_replaced: bool = False,
     ) -> PulledBatch | None:
-        """One export request to one proxy; None when it has nothing ready."""
-        body = (
+        """One export request to one proxy; None when it has nothing ready. `max_trajectories`
+        counts sessions; each session becomes the samples `samples` asks: "latest" (the path to its
+        latest turn: all of a linear session), "leaves" (one per branch) or "turns" (one per turn,
+        loss mask on that turn's output); `drop_replaced` leaves out samples through a regenerated
+        call."""
+        body: dict[str, Any] = (
             {"session_ids": session_ids}
             if session_ids is not None
             else {"max_trajectories": max_trajectories}
         )
+        if samples != "latest":
+            body["samples"] = samples
+        if drop_replaced:
+            body["drop_replaced"] = True
         # Not repeatable: an answer lost after the proxy built the batch must not build a second one.
         response = self._call("POST", f"{proxy_url}/v1/exports", repeatable=False, retries=retries, json=body)
         self._checked(response, 201, 204)
@@ -212,12 +228,18 @@ class TrainerClient:
         return PulledBatch(proxy_url, response.headers["x-rolloutfleet-batch-id"], response.content)
 
     def pull(
-        self, max_trajectories: int, *, timeout_s: float = 0.0, poll_interval_s: float = 0.5
+        self,
+        max_trajectories: int,
+        *,
+        timeout_s: float = 0.0,
+        poll_interval_s: float = 0.5,
+        samples: str = "latest",
+        drop_replaced: bool = False,
     ) -> list[PulledBatch]:
-        """Up to `max_trajectories` ready trajectories in total, from the proxies in turn (each asked
-        only for what is still missing, so nothing beyond the total is taken out of a proxy). Waits
-        up to `timeout_s` for more to become ready. A proxy that is unreachable or restarting is
-        skipped for this round."""
+        """Up to `max_trajectories` ready sessions in total, from the proxies in turn (each asked
+        only for what is still missing, so nothing beyond the total is taken out of a proxy), each
+        as the samples `samples` asks (`export_from`). Waits up to `timeout_s` for more to become
+        ready. A proxy that is unreachable or restarting is skipped for this round."""
         deadline = time.monotonic() + timeout_s
         batches: list[PulledBatch] = []
         missing = max_trajectories
@@ -229,7 +251,13 @@ class TrainerClient:
                     break
                 try:
                     # No retries within a round: an unavailable proxy must not hold up the others.
-                    batch = self.export_from(url, max_trajectories=missing, retries=0)
+                    batch = self.export_from(
+                        url,
+                        max_trajectories=missing,
+                        retries=0,
+                        samples=samples,
+                        drop_replaced=drop_replaced,
+                    )
                 except ProxyRequestError as exc:
                     if exc.status is not None and not nothing_done(exc.status, exc.code):
                         raise
@@ -237,7 +265,7 @@ class TrainerClient:
                     continue
                 if batch is not None:
                     batches.append(batch)
-                    missing -= batch.num_trajectories
+                    missing -= batch.num_sessions
             if missing <= 0 or time.monotonic() >= deadline:
                 return batches
             time.sleep(min(poll_interval_s, max(0.0, deadline - time.monotonic())))
@@ -391,8 +419,10 @@ def to_torch(
 
     input_ids [B, T] int64 (padded with `pad_token_id`), attention_mask [B, T] bool, loss_mask
     [B, T] bool, logprobs [B, T] float32, versions [B, T] int64 (-1 on prompt tokens and padding),
-    rewards [B] float32 (NaN where no session reward was set), seq_lens [B] int64.
-    Per-trajectory ids and metadata: `PulledBatch.trajectories()`, in the same order.
+    rewards [B] float32 (NaN where no reward was set), seq_lens [B] int64, group_ids [B] int64
+    (rows sampled from the same prompt by one call, e.g. a GRPO group of n, share a group id; every
+    other row has its own). Per-trajectory ids, metadata and tree places:
+    `PulledBatch.trajectories()`, in the same order.
     """
     import torch  # lazily: the proxy process never imports this module, but keep it torch-free anyway
 
@@ -423,6 +453,15 @@ def to_torch(
         np.concatenate([d.tensors["rewards"] for d in decoded]) if decoded else np.zeros(0, np.float32)
     )
     tensors["seq_lens"] = torch.from_numpy(lengths.astype(np.int64))
+    groups: dict[tuple, int] = {}
+    group_ids = []
+    for d in decoded:
+        for i, info in enumerate(d.header["trajectories"]):
+            sample = info.get("sample") or {}
+            call = sample.get("call")
+            key = (info["session_id"], call) if call is not None else (d.batch_id, i)
+            group_ids.append(groups.setdefault(key, len(groups)))
+    tensors["group_ids"] = torch.tensor(group_ids, dtype=torch.int64)
     if device is not None:
         tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
     return tensors

@@ -10,6 +10,7 @@ from starlette.routing import Route
 
 from .openai_format import (
     Completion,
+    CompletionChoice,
     completion_body,
     completion_sse,
     json_body,
@@ -21,6 +22,8 @@ from .runtime import ProxyRuntime
 from .settings import ProxySettings
 
 CHAT_PATH = "/v1/sessions/{session_id}/chat/completions"
+# On an answer sent again from the record (a retried request): the engine was not called.
+REPLAYED_HEADER = "Idempotent-Replayed"
 
 
 def chat_route(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAuth) -> Route:
@@ -34,7 +37,12 @@ def chat_route(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAuth) 
         authorized_session(request, session_id)  # 401/404 before the body is even read
         body = await read_json(request)
         chat_request = parse_chat_request(
-            body, settings.default_max_tokens, settings.chat_template_kwargs, settings.tool_call_parser
+            body,
+            settings.default_max_tokens,
+            settings.chat_template_kwargs,
+            settings.tool_call_parser,
+            settings.max_samples,
+            request.headers.get("idempotency-key"),
         )
         # Looked up again after the await: from here to taking the session lock nothing yields,
         # so cleanup cannot detach the session in between.
@@ -42,27 +50,34 @@ def chat_route(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAuth) 
         assert runtime.turns is not None and runtime.tokenizer is not None
         timings = request.scope["state"].setdefault("timings", {})
         result = await runtime.turns.run_turn(session, chat_request, timings)
-        gen = result.generation
-        logprobs = None
-        if chat_request.logprobs:
-            logprobs = logprobs_content(
-                runtime.tokenizer.token_strings(gen.output_ids), gen.logprobs.tolist()
-            )
+        choices = []
+        for choice in result.choices:
+            logprobs = None
+            if chat_request.logprobs:
+                logprobs = logprobs_content(
+                    runtime.tokenizer.token_strings(choice.output_ids), choice.logprobs.tolist()
+                )
+            choices.append(CompletionChoice(choice.reply, choice.finish, logprobs))
+        turns = [choice.turn for choice in result.choices]
+        extra: dict = {"session_id": session_id, "turn": result.call}
+        if len(turns) > 1:
+            extra["turns"] = turns
         completion = Completion(
-            completion_id=f"chatcmpl-{session_id}-{result.turn_index}",
+            completion_id=f"chatcmpl-{session_id}-{result.call}",
             model=settings.model_name,
-            reply=result.reply,
-            finish=gen.finish_reason,
+            created=int(result.created),
+            choices=choices,
             prompt_tokens=result.prompt_tokens,
-            completion_tokens=len(gen.output_ids),
-            logprobs=logprobs,
-            extra={"session_id": session_id, "turn": result.turn_index},
+            completion_tokens=sum(len(choice.output_ids) for choice in result.choices),
+            extra=extra,
         )
+        headers = {REPLAYED_HEADER: "true"} if result.replayed else None
         if chat_request.stream:
             return StreamingResponse(
                 completion_sse(completion, chat_request.include_usage),
                 media_type="text/event-stream",
+                headers=headers,
             )
-        return Response(completion_body(completion), media_type="application/json")
+        return Response(completion_body(completion), media_type="application/json", headers=headers)
 
     return Route(CHAT_PATH, chat, methods=["POST"])

@@ -32,7 +32,12 @@ from typing import Any
 
 import numpy as np
 import orjson
+from rolloutfleet_wire import session_tree as tree
 from rolloutfleet_wire.session_record import (
+    DIGEST_BYTES,
+    FINISH_UNKNOWN,
+    NO_DIGEST,
+    NO_STOP_TOKEN,
     RECORD_FIELDS,
     TURN_BOUND_FIELDS,
     UNKNOWN_TEMPERATURE,
@@ -73,9 +78,10 @@ class _Tensor:
     typecode: str  # the record's array typecode
     dtype: type  # the tensor's dtype
     columns: int = 1  # values per row: a tensor of [rows, columns]
-    per_turn: bool = False  # one value per turn
-    # The value for files written before this tensor existed, from the number of turns; None: required.
-    older_files: Callable[[int], list] | None = None
+    per_turn: bool = False  # one row per turn
+    # The value for files written before this tensor existed, from what was read before it (the
+    # header's values and the tensors above it in the table); None: required.
+    older_files: Callable[[dict[str, Any]], list] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,6 +95,23 @@ class _HeaderValue:
     older_files: Callable[[], Any] | None = None
 
 
+def _turns(values: dict[str, Any]) -> int:
+    return len(values["turn_bounds"]) // TURN_BOUND_FIELDS
+
+
+def _on_last_turn(values: dict[str, Any], default: Any, last: Any) -> list:
+    """Files written before trees held a turn's stop token, message count and digest only for the
+    session's last turn (its header); earlier turns get `default` (they cannot be branched from)."""
+    turns = _turns(values)
+    return [default] * (turns - 1) + [last] if turns else []
+
+
+def _older_keeps(values: dict[str, Any]) -> list:
+    # A linear session: each turn kept its parent's whole path, which ended where the turn starts.
+    bounds = values["turn_bounds"]
+    return [bounds[i] for i in range(0, len(bounds), TURN_BOUND_FIELDS)]
+
+
 _TENSORS: dict[str, _Tensor] = {
     "token_ids": _Tensor("input_ids", "i", np.int32),
     "loss_mask": _Tensor("loss_mask", "B", np.uint8),
@@ -96,20 +119,85 @@ _TENSORS: dict[str, _Tensor] = {
     "turn_bounds": _Tensor("turn_bounds", "i", np.int32, columns=TURN_BOUND_FIELDS),
     # Written before versions, weight updates mid-turn and temperatures were recorded: unknown, none.
     "turn_versions": _Tensor(
-        "turn_versions", "i", np.int32, per_turn=True, older_files=lambda turns: [UNKNOWN_VERSION] * turns
+        "turn_versions",
+        "i",
+        np.int32,
+        per_turn=True,
+        older_files=lambda values: [UNKNOWN_VERSION] * _turns(values),
     ),
     "version_changes": _Tensor(
-        "version_changes", "i", np.int32, columns=VERSION_CHANGE_FIELDS, older_files=lambda turns: []
+        "version_changes", "i", np.int32, columns=VERSION_CHANGE_FIELDS, older_files=lambda values: []
     ),
     "turn_temperatures": _Tensor(
         "turn_temperatures",
         "f",
         np.float32,
         per_turn=True,
-        older_files=lambda turns: [UNKNOWN_TEMPERATURE] * turns,
+        older_files=lambda values: [UNKNOWN_TEMPERATURE] * _turns(values),
     ),
     "turn_tempered": _Tensor(
-        "turn_tempered", "B", np.uint8, per_turn=True, older_files=lambda turns: [0] * turns
+        "turn_tempered", "B", np.uint8, per_turn=True, older_files=lambda values: [0] * _turns(values)
+    ),
+    # Written before trees: a linear session, no digests to branch or replay from but the last one.
+    "turn_parents": _Tensor(
+        "turn_parents",
+        "i",
+        np.int32,
+        per_turn=True,
+        older_files=lambda values: list(range(-1, _turns(values) - 1)),
+    ),
+    "turn_keeps": _Tensor("turn_keeps", "i", np.int32, per_turn=True, older_files=_older_keeps),
+    "turn_calls": _Tensor(
+        "turn_calls", "i", np.int32, per_turn=True, older_files=lambda values: list(range(_turns(values)))
+    ),
+    "turn_stop_tokens": _Tensor(
+        "turn_stop_tokens",
+        "i",
+        np.int32,
+        per_turn=True,
+        older_files=lambda values: _on_last_turn(
+            values,
+            NO_STOP_TOKEN,
+            NO_STOP_TOKEN if values["last_stop_token"] is None else values["last_stop_token"],
+        ),
+    ),
+    "turn_message_counts": _Tensor(
+        "turn_message_counts",
+        "i",
+        np.int32,
+        per_turn=True,
+        older_files=lambda values: _on_last_turn(values, 0, values["message_count"]),
+    ),
+    "turn_end_digests": _Tensor(
+        "turn_end_digests",
+        "B",
+        np.uint8,
+        columns=DIGEST_BYTES,
+        per_turn=True,
+        older_files=lambda values: [
+            byte for digest in _on_last_turn(values, NO_DIGEST, values["history_digest"]) for byte in digest
+        ],
+    ),
+    "turn_request_digests": _Tensor(
+        "turn_request_digests",
+        "B",
+        np.uint8,
+        columns=DIGEST_BYTES,
+        per_turn=True,
+        older_files=lambda values: [0] * (DIGEST_BYTES * _turns(values)),
+    ),
+    "turn_finishes": _Tensor(
+        "turn_finishes",
+        "B",
+        np.uint8,
+        per_turn=True,
+        older_files=lambda values: [FINISH_UNKNOWN] * _turns(values),
+    ),
+    "turn_flags": _Tensor(
+        "turn_flags", "B", np.uint8, per_turn=True, older_files=lambda values: [0] * _turns(values)
+    ),
+    "turn_created": _Tensor(
+        "turn_created", "d", np.float64, per_turn=True, older_files=lambda values: [0.0] * _turns(values)
     ),
 }
 
@@ -130,6 +218,17 @@ _HEADER: dict[str, _HeaderValue] = {
         older_files=dict,
     ),
     "finished": _HeaderValue("finished", decode=bool, older_files=lambda: False),
+    "turn_stop_strings": _HeaderValue(
+        "turn_stop_strings",
+        lambda strings: {str(turn): value for turn, value in strings.items()},
+        lambda strings: {int(turn): str(value) for turn, value in (strings or {}).items()},
+        older_files=dict,
+    ),
+    "idempotency_keys": _HeaderValue(
+        "idempotency_keys",
+        decode=lambda keys: {str(key): int(call) for key, call in (keys or {}).items()},
+        older_files=dict,
+    ),
 }
 
 
@@ -272,14 +371,6 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
             raise DumpFormatError(f"{path}: no {spec.name} tensor")
     turns = tensors[_TENSORS["turn_bounds"].name].size // TURN_BOUND_FIELDS
     values: dict[str, Any] = {}
-    for field_name, spec in _TENSORS.items():
-        if spec.name in tensors:
-            data = tensors[spec.name].astype(spec.dtype, copy=False).tobytes()
-            values[field_name] = array(spec.typecode, data)
-        else:
-            values[field_name] = array(spec.typecode, spec.older_files(turns))  # type: ignore[misc]
-        if spec.per_turn and len(values[field_name]) != turns:
-            raise DumpFormatError(f"{path}: {spec.name} do not match turn_bounds")
     for field_name, value in _HEADER.items():
         if value.key in header:
             values[field_name] = value.decode(header[value.key])
@@ -287,6 +378,14 @@ def _record_from(path: str | os.PathLike, header: dict, tensors: dict[str, np.nd
             values[field_name] = value.older_files()
         else:
             raise DumpFormatError(f"{path}: no {value.key} in the header")
+    for field_name, spec in _TENSORS.items():
+        if spec.name in tensors:
+            data = tensors[spec.name].astype(spec.dtype, copy=False).tobytes()
+            values[field_name] = array(spec.typecode, data)
+        else:
+            values[field_name] = array(spec.typecode, spec.older_files(values))  # type: ignore[misc]
+        if spec.per_turn and len(values[field_name]) != turns * spec.columns:
+            raise DumpFormatError(f"{path}: {spec.name} do not match turn_bounds")
     record = SessionRecord(**values)
     _verify_shapes(path, record)
     _verify_values(path, tensors)
@@ -306,6 +405,9 @@ def _verify_shapes(path: str | os.PathLike, record: SessionRecord) -> None:
         raise DumpFormatError(f"{path}: turn_bounds do not fit input_ids")
     if any(b > a for a, b in zip(turn_bounds[1:], turn_bounds, strict=False)):
         raise DumpFormatError(f"{path}: turn_bounds are not in order")
+    problem = tree.shape_problem(record)
+    if problem:
+        raise DumpFormatError(f"{path}: {problem}")
 
 
 def _verify_checksums(path: str | os.PathLike, header: dict, tensors: dict[str, np.ndarray]) -> None:

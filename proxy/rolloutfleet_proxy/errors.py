@@ -112,7 +112,7 @@ def http_error(failure: f.Failure) -> ProxyError:
             | f.SessionsNotFinished()
             | f.SessionFinished()
             | f.TurnInFlight()
-            | f.HistoryMismatch()
+            | f.TooManyBranches()
         ):
             return conflict(failure.code, failure.message)
         case f.SessionLostInRestart() | f.SessionEnded() | f.SessionDeleted() | f.BatchEnded():
@@ -128,6 +128,8 @@ def http_error(failure: f.Failure) -> ProxyError:
             return unavailable(failure.code, failure.message, 1)
         case f.NoNewMessages() | f.NewMessagesTooLarge() | f.TemplateFailed():
             return bad_request(failure.code, failure.message)
+        case f.IdempotencyKeyReused():
+            return ProxyError(422, failure.code, failure.message)
     return ProxyError(
         500, ErrorCode.INTERNAL_ERROR, f"{type(failure).__name__}: {failure}"
     )  # unmapped: a bug

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rolloutfleet_wire.errors import ErrorCode
 from rolloutfleet_wire.export_format import decode_batch, encode_batch
+from rolloutfleet_wire.session_tree import SampleShape
 
 from .dumps import (
     EXPORTED_AREA,
@@ -74,9 +75,11 @@ class ExportService:
         """Often enough that a batch outlives its TTL by at most a quarter of it (and at most 1 s)."""
         return min(1.0, max(0.01, self.ttl_s / 4))
 
-    async def export(self, session_ids: list[str] | None, max_trajectories: int) -> ExportBatch | None:
+    async def export(
+        self, session_ids: list[str] | None, max_trajectories: int, shape: SampleShape | None = None
+    ) -> ExportBatch | None:
         """Move the named finished sessions (all or none), or the next `max_trajectories` ready ones,
-        into a new batch. None when nothing is ready."""
+        into a new batch, each as the samples `shape` asks. None when nothing is ready."""
         self._building += 1
         self._none_building.clear()
         try:
@@ -92,7 +95,7 @@ class ExportService:
             records = [s.to_record() for s in sessions]
             try:
                 data = await asyncio.to_thread(
-                    encode_batch, batch_id, records, self._generation.model_version
+                    encode_batch, batch_id, records, self._generation.model_version, shape
                 )
             except Exception:
                 for session in sessions:

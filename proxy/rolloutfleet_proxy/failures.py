@@ -186,16 +186,26 @@ class NoNewMessages(Failure):
         self.recorded = recorded
 
 
-class HistoryMismatch(Failure):
-    code = ErrorCode.HISTORY_MISMATCH
+class IdempotencyKeyReused(Failure):
+    code = ErrorCode.IDEMPOTENCY_KEY_REUSED
 
-    def __init__(self, recorded: int):
+    def __init__(self, session_id: str):
         super().__init__(
-            f"the first {recorded} messages or the tools differ from what this session recorded "
-            "(send the full history, with assistant replies exactly as returned, and the same tools "
-            "every turn)"
+            f"this Idempotency-Key was used in session {session_id} for another request (other messages, "
+            "tools or parameters); a key names one request: use a new key for a new request"
         )
-        self.recorded = recorded
+        self.session_id = session_id
+
+
+class TooManyBranches(Failure):
+    code = ErrorCode.TOO_MANY_BRANCHES
+
+    def __init__(self, session_id: str, limit: int):
+        super().__init__(
+            f"session {session_id} would have more than {limit} branches (max_branches_per_session); "
+            "nothing was recorded: continue an existing branch, or start a new session"
+        )
+        self.session_id, self.limit = session_id, limit
 
 
 class NewMessagesTooLarge(Failure):

@@ -107,6 +107,12 @@ def turn_record(
         "temperature": None if math.isnan(temperature) else temperature,
         "tempered": turn.get("tempered", False),
     }
+    # The tree and the replay (absent in records written before trees: a linear turn, not replayable).
+    for name in ("parent", "keep", "call", "finish", "flags", "created", "stop_string", "idempotency_key"):
+        if name in turn:
+            header[name] = turn[name]  # type: ignore[literal-required]
+    if "request_digest" in turn:
+        header["request"] = turn["request_digest"].hex()
     body = new_input_ids.tobytes() + output_ids.tobytes() + output_logprobs.tobytes()
     return frame(TURN, header, body)
 
@@ -114,7 +120,7 @@ def turn_record(
 def turn_fields(header: dict[str, Any]) -> TurnFields:
     """A turn record's fields back from its header; KeyError, TypeError or ValueError if malformed."""
     temperature = header.get("temperature")
-    return TurnFields(
+    fields = TurnFields(
         message_count=int(header["message_count"]),
         history_digest=bytes.fromhex(header["digest"]),
         stopped=bool(header["stopped"]),
@@ -124,6 +130,17 @@ def turn_fields(header: dict[str, Any]) -> TurnFields:
         temperature=UNKNOWN_TEMPERATURE if temperature is None else float(temperature),
         tempered=bool(header.get("tempered")),
     )
+    for name in ("parent", "keep", "call", "finish", "flags"):
+        if name in header:
+            fields[name] = int(header[name])  # type: ignore[literal-required]
+    if "created" in header:
+        fields["created"] = float(header["created"])
+    if "request" in header:
+        fields["request_digest"] = bytes.fromhex(header["request"])
+    for name in ("stop_string", "idempotency_key"):
+        if header.get(name) is not None:
+            fields[name] = str(header[name])  # type: ignore[literal-required]
+    return fields
 
 
 def reward_record(session_id: str, key_digest: bytes, value: float, turn: int | None) -> bytes:

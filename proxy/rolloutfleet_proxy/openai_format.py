@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +25,9 @@ class ChatRequest:
     logprobs: bool
     tools: ToolSpec | None = None
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    n: int = 1  # samples of the same prompt (a GRPO group): each is recorded as its own branch
+    regenerate: bool = False  # a new sample even if this exact request was answered before
+    idempotency_key: str | None = None  # the Idempotency-Key header
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -48,11 +50,27 @@ def _positive_int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
+MAX_IDEMPOTENCY_KEY_CHARS = 255
+
+
+def parse_idempotency_key(value: str | None) -> str | None:
+    if value is None:
+        return None
+    if not value or len(value) > MAX_IDEMPOTENCY_KEY_CHARS:
+        raise bad_request(
+            ErrorCode.INVALID_PARAMETER,
+            f"the Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY_CHARS} characters",
+        )
+    return value
+
+
 def parse_chat_request(
     body: Any,
     default_max_tokens: int,
     default_template_kwargs: dict[str, Any] | None = None,
     tool_parser: str | None = None,
+    max_n: int = 1,
+    idempotency_key: str | None = None,
 ) -> ChatRequest:
     """Validate an OpenAI chat request; unknown OpenAI parameters are ignored, wrong ones are 400.
     Tools need a tool-call parser (`tool_parser`, SGLang's name), or their calls could not be returned."""
@@ -74,8 +92,15 @@ def parse_chat_request(
             "spec.proxy.toolCallParser on the fleet (ROLLOUTFLEET_PROXY_TOOL_CALL_PARSER)",
         )
     n = body.get("n")
-    if n is not None and n != 1:
-        raise bad_request(ErrorCode.INVALID_PARAMETER, "n must be 1: a session records one trajectory")
+    if n is None:
+        n = 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_n:
+        raise bad_request(
+            ErrorCode.INVALID_PARAMETER, f"n must be an integer from 1 to {max_n} (max_samples)"
+        )
+    regenerate = body.get("regenerate", False)
+    if not isinstance(regenerate, bool):
+        raise bad_request(ErrorCode.INVALID_PARAMETER, "regenerate must be a boolean")
     sampling: dict[str, Any] = {
         "max_new_tokens": _positive_int(body, "max_completion_tokens")
         or _positive_int(body, "max_tokens")
@@ -120,6 +145,9 @@ def parse_chat_request(
         logprobs=bool(body.get("logprobs", False)),
         tools=tools,
         template_kwargs=template_kwargs(body, default_template_kwargs or {}),
+        n=n,
+        regenerate=regenerate,
+        idempotency_key=parse_idempotency_key(idempotency_key),
     )
 
 
@@ -139,16 +167,22 @@ def logprobs_content(tokens: list[str], logprobs: list[float]) -> dict[str, Any]
 
 
 @dataclass(frozen=True)
+class CompletionChoice:
+    reply: Reply
+    finish: str  # SGLang's finish type
+    logprobs: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
 class Completion:
-    """A recorded reply, ready to be rendered as a chat.completion or as its chunk stream."""
+    """A recorded answer, ready to be rendered as a chat.completion or as its chunk stream."""
 
     completion_id: str
     model: str
-    reply: Reply
-    finish: str
+    created: int
+    choices: list[CompletionChoice]
     prompt_tokens: int
     completion_tokens: int
-    logprobs: dict[str, Any] | None
     extra: dict[str, Any]
 
     def usage(self) -> dict[str, int]:
@@ -160,19 +194,22 @@ class Completion:
 
 
 def completion_body(c: Completion) -> bytes:
-    choice = {
-        "index": 0,
-        "message": c.reply.message(),
-        "finish_reason": finish_reason(c.finish, c.reply),
-        "logprobs": c.logprobs,
-    }
+    choices = [
+        {
+            "index": index,
+            "message": choice.reply.message(),
+            "finish_reason": finish_reason(choice.finish, choice.reply),
+            "logprobs": choice.logprobs,
+        }
+        for index, choice in enumerate(c.choices)
+    ]
     return orjson.dumps(
         {
             "id": c.completion_id,
             "object": "chat.completion",
-            "created": int(time.time()),
+            "created": c.created,
             "model": c.model,
-            "choices": [choice],
+            "choices": choices,
             "usage": c.usage(),
             "rolloutfleet": c.extra,
         }
@@ -180,34 +217,40 @@ def completion_body(c: Completion) -> bytes:
 
 
 def completion_sse(c: Completion, include_usage: bool) -> Iterator[bytes]:
-    """The recorded reply as a chat.completion.chunk stream (sent only after it was recorded)."""
-    created = int(time.time())
+    """The recorded answer as a chat.completion.chunk stream (sent only after it was recorded); with
+    several choices, each choice's chunks in turn, told apart by their index."""
 
     def chunk(choices: list[dict[str, Any]], **more: Any) -> bytes:
         body = {
             "id": c.completion_id,
             "object": "chat.completion.chunk",
-            "created": created,
+            "created": c.created,
             "model": c.model,
             "choices": choices,
             **more,
         }
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
-    def choice(delta: dict[str, Any], reason: str | None, logprobs: Any = None) -> list[dict[str, Any]]:
-        return [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]
+    for index, answer in enumerate(c.choices):
 
-    reply = c.reply
-    yield chunk(choice({"role": "assistant", "content": ""}, None))
-    if reply.reasoning is not None:
-        yield chunk(choice({"reasoning_content": reply.reasoning}, None))
-    if reply.content or not reply.tool_calls:
-        yield chunk(choice({"content": reply.content}, None, c.logprobs))
-    for index, call in enumerate(reply.tool_calls):
-        delta_call = {"index": index, **call}
-        logprobs = c.logprobs if index == 0 and not reply.content else None
-        yield chunk(choice({"tool_calls": [delta_call]}, None, logprobs))
-    yield chunk(choice({}, finish_reason(c.finish, reply)), rolloutfleet=c.extra)
+        def choice(
+            delta: dict[str, Any], reason: str | None, logprobs: Any = None, index: int = index
+        ) -> list[dict[str, Any]]:
+            return [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]
+
+        reply = answer.reply
+        yield chunk(choice({"role": "assistant", "content": ""}, None))
+        if reply.reasoning is not None:
+            yield chunk(choice({"reasoning_content": reply.reasoning}, None))
+        if reply.content or not reply.tool_calls:
+            yield chunk(choice({"content": reply.content}, None, answer.logprobs))
+        for call_index, call in enumerate(reply.tool_calls):
+            delta_call = {"index": call_index, **call}
+            logprobs = answer.logprobs if call_index == 0 and not reply.content else None
+            yield chunk(choice({"tool_calls": [delta_call]}, None, logprobs))
+        last = index == len(c.choices) - 1
+        final = {"rolloutfleet": c.extra} if last else {}
+        yield chunk(choice({}, finish_reason(answer.finish, reply)), **final)
     if include_usage:
         yield chunk([], usage=c.usage())
     yield b"data: [DONE]\n\n"

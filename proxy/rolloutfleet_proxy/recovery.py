@@ -110,6 +110,7 @@ class Replay:
             return
         try:
             session.append_turn(body.new_input_ids, body.output_ids, body.output_logprobs, **turn_fields(h))
+            session.committed_turns = session.num_turns  # journaled, so durable: it may be replayed
         except (KeyError, TypeError, ValueError) as exc:
             self._lose(session, f"turn {index} cannot be applied: {exc}")
 

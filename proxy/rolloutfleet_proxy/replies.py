@@ -10,13 +10,13 @@ decoding would. A malformed tool call stays plain content: never an error.
 
 from __future__ import annotations
 
-import secrets
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from .chat_tokens import TurnTokenizer
 from .chat_tools import ToolSpec
-from .upstream import Generation
 
 if TYPE_CHECKING:
     from .reasoning_parsers import ReasoningParser
@@ -54,8 +54,9 @@ class Reply:
         return message
 
 
-def _call_id() -> str:
-    return "call_" + secrets.token_hex(12)
+def call_id(seed: str, index: int) -> str:
+    """A tool call's id, derived from its turn (`seed`), so a replayed reply carries the same ids."""
+    return "call_" + hashlib.blake2b(f"{seed}/{index}".encode(), digest_size=12).hexdigest()
 
 
 class ReplyBuilder:
@@ -75,22 +76,32 @@ class ReplyBuilder:
             self.reasoning_parser = reasoning_parser(reasoning)
 
     def build(
-        self, generation: Generation, stop_token: int | None, tools: ToolSpec | None, prompt_tail: str
+        self,
+        output_ids: array,
+        stop_token: int | None,
+        stop_string: str | None,
+        tools: ToolSpec | None,
+        opens_reasoning: bool,
+        seed: str,
     ) -> Reply:
+        """The reply of recorded output ids: a function of them and the turn's recorded facts only,
+        so a replay rebuilds the same reply (`seed` names the turn, for tool call ids)."""
         parse_calls = self.tool_parser is not None and tools is not None and tools.parse_calls
-        if self.reasoning_parser is None and not parse_calls:
-            return Reply(generation.text)
-        ids = generation.output_ids
+        ids = output_ids
         if stop_token is not None and ids and ids[-1] == stop_token:
             ids = ids[:-1]
-        text = self._tokenizer.decode(ids, skip_special_tokens=False)
-        if generation.stop_string:
-            at = text.find(generation.stop_string)
+        plain = self.reasoning_parser is None and not parse_calls
+        # Without parsers the text is decoded as SGLang decodes it (special tokens skipped).
+        text = self._tokenizer.decode(ids, skip_special_tokens=plain)
+        if stop_string:
+            at = text.find(stop_string)
             if at >= 0:
                 text = text[:at]
+        if plain:
+            return Reply(text)
         reasoning = None
         if self.reasoning_parser is not None:
-            split = self.reasoning_parser.split(text, prompt_opens_reasoning(prompt_tail))
+            split = self.reasoning_parser.split(text, opens_reasoning)
             reasoning, text = split.reasoning, split.content
         clean = self._tokenizer.without_special_tokens  # what the parsers did not consume
         if reasoning is not None:
@@ -101,10 +112,10 @@ class ReplyBuilder:
         parsed = self.tool_parser.parse(text, tools.names)
         calls = [
             {
-                "id": call.call_id or _call_id(),
+                "id": call.call_id or call_id(seed, index),
                 "type": "function",
                 "function": {"name": call.name, "arguments": call.arguments},
             }
-            for call in parsed.tool_calls
+            for index, call in enumerate(parsed.tool_calls)
         ]
         return Reply(clean(parsed.content), reasoning, calls)

@@ -229,7 +229,11 @@ class ProxyRuntime:
             ReplyBuilder(self.tokenizer, self.settings.tool_call_parser, self.settings.reasoning_parser),
             self.settings.engine_logprobs,
             self.log,
-            TurnLimits(self.settings.max_new_message_bytes, self.settings.offload_templating_bytes),
+            TurnLimits(
+                self.settings.max_new_message_bytes,
+                self.settings.offload_templating_bytes,
+                self.settings.max_branches_per_session,
+            ),
             self.request_heap_trim,
         )
         if dump_dir is not None:

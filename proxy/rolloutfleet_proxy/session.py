@@ -9,14 +9,36 @@ from array import array
 from collections.abc import Sequence
 from typing import Any, NotRequired, TypedDict, Unpack
 
+from rolloutfleet_wire import session_tree as tree
 from rolloutfleet_wire.session_record import (
+    DIGEST_BYTES,
+    FINISH_UNKNOWN,
+    NO_DIGEST,
+    NO_STOP_TOKEN,
     RECORD_FIELDS,
+    ROOT,
     TURN_BOUND_FIELDS,
     UNKNOWN_TEMPERATURE,
     UNKNOWN_VERSION,
     SessionRecord,
     token_versions,
 )
+
+# The record's per-turn arrays: one value (or DIGEST_BYTES values) per turn, cut back together.
+PER_TURN_ARRAYS = (
+    "turn_versions",
+    "turn_temperatures",
+    "turn_tempered",
+    "turn_parents",
+    "turn_keeps",
+    "turn_calls",
+    "turn_stop_tokens",
+    "turn_message_counts",
+    "turn_finishes",
+    "turn_flags",
+    "turn_created",
+)
+PER_TURN_DIGESTS = ("turn_end_digests", "turn_request_digests")
 
 
 class TurnFields(TypedDict):
@@ -31,6 +53,16 @@ class TurnFields(TypedDict):
     version_changes: NotRequired[Sequence[tuple[int, int]]]  # (output offset, version); none
     temperature: NotRequired[float]  # UNKNOWN_TEMPERATURE
     tempered: NotRequired[bool]  # False
+    # Where the turn sits in the tree; without them it continues the latest turn's whole path.
+    parent: NotRequired[int]
+    keep: NotRequired[int]
+    call: NotRequired[int]  # the first turn of its request; itself when not given
+    request_digest: NotRequired[bytes]  # NO_DIGEST: not replayable
+    finish: NotRequired[int]  # FINISH_* code
+    flags: NotRequired[int]  # FLAG_* bits
+    created: NotRequired[float]  # unix time of the reply; 0 when not given
+    stop_string: NotRequired[str | None]
+    idempotency_key: NotRequired[str | None]  # the key's digest (hex), on a call's first turn
 
 
 def _owned(value: Any) -> Any:
@@ -47,7 +79,9 @@ class Session(SessionRecord):
     only) and what lives only in this process. Mutated only while its lock is held (turns) or after it
     is detached. Unlike a record, a session compares by identity."""
 
-    __slots__ = ("close_reason", "closed", "last_active", "lock")
+    # committed_turns: turns durable in the journal (a turn appended but not yet committed may still
+    # be rolled back, so it is never replayed).
+    __slots__ = ("close_reason", "closed", "committed_turns", "last_active", "lock")
     __eq__ = object.__eq__
     __hash__ = object.__hash__
 
@@ -79,6 +113,7 @@ class Session(SessionRecord):
         self.closed = False
         self.close_reason = ""
         self.last_active = time.monotonic()
+        self.committed_turns = self.num_turns
 
     def __repr__(self) -> str:
         return f"Session({self.session_id!r}, turns={self.num_turns}, tokens={self.num_tokens})"
@@ -112,6 +147,16 @@ class Session(SessionRecord):
             raise ValueError("output ids and logprobs differ in length")
         if any(not 0 < offset < len(output_ids) for offset, _ in version_changes):
             raise ValueError("version changes must fall inside the output")
+        index = self.num_turns
+        parent = turn.get("parent", index - 1)
+        if not ROOT <= parent < index:
+            raise ValueError(f"turn {index} cannot continue turn {parent}")
+        keep = turn.get("keep", tree.path_length(self, parent))
+        if not 0 <= keep <= tree.path_length(self, parent):
+            raise ValueError(f"turn {index} cannot keep {keep} tokens of turn {parent}'s path")
+        for name in ("history_digest", "request_digest"):
+            if len(turn.get(name, NO_DIGEST)) != DIGEST_BYTES:  # type: ignore[arg-type]
+                raise ValueError(f"{name} must be {DIGEST_BYTES} bytes")
         input_start = len(self.token_ids)
         output_start = input_start + len(new_input_ids)
         n_in, n_out = len(new_input_ids), len(output_ids)
@@ -129,6 +174,23 @@ class Session(SessionRecord):
             self.version_changes.extend((output_start + offset, version))
         self.turn_temperatures.append(turn.get("temperature", UNKNOWN_TEMPERATURE))
         self.turn_tempered.append(1 if turn.get("tempered", False) else 0)
+        self.turn_parents.append(parent)
+        self.turn_keeps.append(keep)
+        self.turn_calls.append(turn.get("call", index))
+        stop_token = turn["stop_token"]
+        self.turn_stop_tokens.append(NO_STOP_TOKEN if stop_token is None else stop_token)
+        self.turn_message_counts.append(turn["message_count"])
+        self.turn_end_digests.frombytes(turn["history_digest"])
+        self.turn_request_digests.frombytes(turn.get("request_digest", NO_DIGEST))
+        self.turn_finishes.append(turn.get("finish", FINISH_UNKNOWN))
+        self.turn_flags.append(turn.get("flags", 0))
+        self.turn_created.append(turn.get("created", 0.0))
+        stop_string = turn.get("stop_string")
+        if stop_string:
+            self.turn_stop_strings[index] = stop_string
+        key = turn.get("idempotency_key")
+        if key:
+            self.idempotency_keys[key] = turn.get("call", index)
         self.message_count = turn["message_count"]
         self.history_digest = turn["history_digest"]
         self.last_output_stopped = turn["stopped"]
@@ -167,6 +229,7 @@ class Session(SessionRecord):
             len(self.token_ids),
             len(self.turn_bounds),
             len(self.version_changes),
+            dict(self.idempotency_keys),
             self.message_count,
             self.history_digest,
             self.last_output_stopped,
@@ -176,7 +239,7 @@ class Session(SessionRecord):
     def rollback(self, mark: tuple) -> int:
         """Undo the turns appended since `mark` (their record could not be made durable); returns the
         number of tokens removed."""
-        tokens, bounds, changes, *rest = mark
+        tokens, bounds, changes, keys, *rest = mark
         removed = len(self.token_ids) - tokens
         turns = bounds // TURN_BOUND_FIELDS
         for values, length in (
@@ -185,11 +248,15 @@ class Session(SessionRecord):
             (self.logprobs, tokens),
             (self.turn_bounds, bounds),
             (self.version_changes, changes),
-            (self.turn_versions, turns),
-            (self.turn_temperatures, turns),
-            (self.turn_tempered, turns),
         ):
             del values[length:]
+        for name in PER_TURN_ARRAYS:
+            del getattr(self, name)[turns:]
+        for name in PER_TURN_DIGESTS:
+            del getattr(self, name)[turns * DIGEST_BYTES :]
+        for turn in [t for t in self.turn_stop_strings if t >= turns]:
+            del self.turn_stop_strings[turn]
+        self.idempotency_keys = keys
         (
             self.message_count,
             self.history_digest,
@@ -213,6 +280,7 @@ class Session(SessionRecord):
             "created_at": self.created_at,
             "metadata": self.metadata,
             "num_turns": self.num_turns,
+            "num_branches": len(tree.leaves(self)),
             "num_tokens": self.num_tokens,
             "num_messages": self.message_count,
             "finished": self.finished,
@@ -222,13 +290,20 @@ class Session(SessionRecord):
         }
 
     def trajectory(self) -> dict[str, Any]:
+        """The path to the latest turn (a linear session: everything), and the tree's shape."""
+        latest = self.num_turns - 1
+        path = tree.path_record(self, latest, self.reward) if latest >= 0 else self.to_record()
         return {
-            "input_ids": self.token_ids.tolist(),
-            "loss_mask": self.loss_mask.tolist(),
-            "logprobs": self.logprobs.tolist(),
-            "turns": [list(t) for t in self.turns()],
-            "turn_versions": self.turn_versions.tolist(),
-            "versions": token_versions(self).tolist(),
-            "turn_temperatures": [None if math.isnan(t) else t for t in self.turn_temperatures],
-            "turn_tempered": [bool(t) for t in self.turn_tempered],
+            "input_ids": path.token_ids.tolist(),
+            "loss_mask": path.loss_mask.tolist(),
+            "logprobs": path.logprobs.tolist(),
+            "turns": [list(path.turn_bounds[i : i + 3]) for i in range(0, len(path.turn_bounds), 3)],
+            "turn_versions": path.turn_versions.tolist(),
+            "versions": token_versions(path).tolist(),
+            "turn_temperatures": [None if math.isnan(t) else t for t in path.turn_temperatures],
+            "turn_tempered": [bool(t) for t in path.turn_tempered],
+            "path": tree.path_turns(self, latest) if latest >= 0 else [],
+            "turn_parents": self.turn_parents.tolist(),
+            "turn_calls": self.turn_calls.tolist(),
+            "leaves": tree.leaves(self),
         }

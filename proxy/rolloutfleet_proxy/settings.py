@@ -88,6 +88,19 @@ class ProxySettings(BaseSettings):
         "the event loop keeps serving other sessions (smaller turns run inline: a thread hop costs more).",
     )
 
+    max_branches_per_session: int = Field(
+        256,
+        ge=1,
+        description="Branches (leaves of the session's tree: regenerations, compactions, sub-agents, "
+        "group samples) a session may hold; a turn that would add more gets 409 too_many_branches.",
+    )
+    max_samples: int = Field(
+        16,
+        ge=1,
+        le=128,
+        description="Largest n (samples of one prompt, a GRPO group) a chat request may ask.",
+    )
+
     cleanup_enabled: bool = Field(True, description="Dump and evict sessions idle past the timeout.")
     stale_session_timeout_s: float = Field(
         float(fleet.PROXY_STALE_SESSION_TIMEOUT_SECONDS),

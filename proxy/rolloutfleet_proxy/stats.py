@@ -22,6 +22,7 @@ class Counters:
     turns: int = 0
     turns_failed: int = 0
     turns_busy_rejected: int = 0
+    turns_replayed: int = 0  # retried requests answered from the record, without the engine
     turns_cancelled: int = 0
     sessions_created: int = 0
     sessions_refused_memory: int = 0

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from rolloutfleet_wire.errors import ErrorCode
 from rolloutfleet_wire.export_format import MEDIA_TYPE, batch_json
+from rolloutfleet_wire.session_tree import SAMPLE_MODES, SAMPLES_LATEST, SampleShape
 from starlette.responses import Response
 
 from .errors import bad_request, draining, not_a_json_object
@@ -29,11 +30,24 @@ BATCH_ID_HEADER = "X-RolloutFleet-Batch-Id"
 TRAJECTORIES_HEADER = "X-RolloutFleet-Trajectories"
 
 
-def parse_export_request(body: Any) -> tuple[list[str] | None, int]:
-    """`{"session_ids": [...]}` or `{"max_trajectories": N}`, exactly one of them."""
+def parse_sample_shape(body: dict[str, Any]) -> SampleShape:
+    """`samples` ("latest", "leaves" or "turns") and `drop_replaced` (a boolean), both optional."""
+    mode = body.get("samples", SAMPLES_LATEST)
+    if mode not in SAMPLE_MODES:
+        raise bad_request(ErrorCode.INVALID_BODY, f"samples must be one of {', '.join(SAMPLE_MODES)}")
+    drop_replaced = body.get("drop_replaced", False)
+    if not isinstance(drop_replaced, bool):
+        raise bad_request(ErrorCode.INVALID_BODY, "drop_replaced must be a boolean")
+    return SampleShape(mode, drop_replaced)
+
+
+def parse_export_request(body: Any) -> tuple[list[str] | None, int, SampleShape]:
+    """`{"session_ids": [...]}` or `{"max_trajectories": N}`, exactly one of them, and the shape of
+    the samples (`parse_sample_shape`)."""
     if not isinstance(body, dict):
         raise not_a_json_object()
-    unknown = set(body) - {"session_ids", "max_trajectories"}
+    shape = parse_sample_shape(body)
+    unknown = set(body) - {"session_ids", "max_trajectories", "samples", "drop_replaced"}
     if unknown:
         raise bad_request(ErrorCode.INVALID_BODY, f"unknown fields: {', '.join(sorted(unknown))}")
     if ("session_ids" in body) == ("max_trajectories" in body):
@@ -45,7 +59,7 @@ def parse_export_request(body: Any) -> tuple[list[str] | None, int]:
                 ErrorCode.INVALID_MAX_TRAJECTORIES,
                 f"max_trajectories must be an integer from 1 to {MAX_EXPORT_TRAJECTORIES}",
             )
-        return None, limit
+        return None, limit, shape
     ids = body["session_ids"]
     if not isinstance(ids, list) or not 1 <= len(ids) <= MAX_EXPORT_TRAJECTORIES:
         raise bad_request(
@@ -55,7 +69,7 @@ def parse_export_request(body: Any) -> tuple[list[str] | None, int]:
         raise bad_request(ErrorCode.INVALID_SESSION_IDS, f"session ids are {SESSION_ID_RULE}")
     if len(set(ids)) != len(ids):
         raise bad_request(ErrorCode.INVALID_SESSION_IDS, "session_ids lists an id more than once")
-    return ids, len(ids)
+    return ids, len(ids), shape
 
 
 def parse_model_version(body: Any) -> int:
@@ -110,9 +124,9 @@ def trainer_router(runtime: ProxyRuntime, require_admin: Callable[[Request], Non
         require_admin(request)
         as_json = wants_json(request)
         raw = await request.body()
-        session_ids, limit = parse_export_request(json_body(raw) if raw.strip() else None)
+        session_ids, limit, shape = parse_export_request(json_body(raw) if raw.strip() else None)
         refuse_while_draining()
-        batch = await exports.export(session_ids, limit)
+        batch = await exports.export(session_ids, limit, shape)
         if batch is None:
             return Response(status_code=204)
         return await batch_response(batch, as_json, 201)

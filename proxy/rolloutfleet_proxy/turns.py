@@ -10,12 +10,24 @@ under the model version current when it passed the gate.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import secrets
 import time
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from rolloutfleet_wire import session_tree as tree
+from rolloutfleet_wire.session_record import (
+    FINISH_CODES,
+    FINISH_NAMES,
+    FINISH_UNKNOWN,
+    FLAG_PROMPT_OPENS_REASONING,
+    NO_STOP_TOKEN,
+    ROOT,
+)
+
+from .branching import Placement, attach, message_digests, place
 from .chat_tokens import TemplateError, TurnTokenizer
 from .continuation import (
     MAX_CONTINUATIONS,
@@ -29,7 +41,7 @@ from .continuation import (
 from .errors import ProxyError
 from .failures import (
     Failure,
-    HistoryMismatch,
+    IdempotencyKeyReused,
     NewMessagesTooLarge,
     NoNewMessages,
     PauseOutlasted,
@@ -38,25 +50,27 @@ from .failures import (
     SessionFinished,
     ShuttingDown,
     TemplateFailed,
+    TooManyBranches,
     TurnInFlight,
     UpstreamAborted,
 )
 from .generation import GenerationControl
-from .history import extend_canonical_digest, extend_digest, tools_digest
+from .history import extend_digest, tools_digest
 from .lifecycle import InFlightTurns
 from .openai_format import ChatRequest
-from .replies import Reply, ReplyBuilder
+from .replies import Reply, ReplyBuilder, prompt_opens_reasoning
 from .session import Session, TurnFields
 from .session_log import SessionLog
 from .stats import Counters
 from .store import SessionStore
-from .upstream import Generation, SGLangClient
+from .upstream import SGLangClient
 
 
 @dataclass(frozen=True)
 class TurnLimits:
     max_new_message_bytes: int = 512 * 1024
     offload_templating_bytes: int = 32 * 1024
+    max_branches: int = 256  # leaves per session
 
 
 def message_text_bytes(messages: list[dict], stop_after: int | None = None) -> int:
@@ -76,15 +90,53 @@ def message_text_bytes(messages: list[dict], stop_after: int | None = None) -> i
 
 
 @dataclass(frozen=True)
-class TurnResult:
-    turn_index: int
-    generation: Generation
-    prompt_tokens: int
+class Choice:
+    """One recorded answer of a call: its turn, the reply the client gets, and the ids behind it."""
+
+    turn: int
     reply: Reply
+    finish: str  # SGLang's finish type: "stop", "length", "abort"
+    output_ids: array
+    logprobs: array
+
+
+@dataclass(frozen=True)
+class TurnResult:
+    call: int  # the first turn the request recorded
+    choices: list[Choice]
+    prompt_tokens: int
+    created: float
+    replayed: bool = False  # answered from the record, without the engine
+
+
+@dataclass(frozen=True)
+class NewInput:
+    """What a request adds to its session's tree, before the engine answers."""
+
+    placement: Placement
+    ids: array  # the prompt ids after the base's reply (the whole prompt at the root)
+    text: str  # their rendered text
+    parent: int
+    keep: int
+    own_ids: array  # the part of `ids` not already stored under `parent`
 
 
 def _ms(start: float, end: float) -> float:
     return round((end - start) * 1000, 3)
+
+
+def call_parameters(request: ChatRequest) -> dict:
+    """The parameters that make two requests with the same history the same request."""
+    return {
+        "sampling": request.sampling_params,
+        "n": request.n,
+        "tools": request.tools.tools if request.tools else None,
+        "template": request.template_kwargs,
+    }
+
+
+def idempotency_key_digest(key: str) -> str:
+    return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
 
 class TurnService:
@@ -116,44 +168,85 @@ class TurnService:
         # whose turn is still committing would be skipped by the drain).
         self._in_flight = in_flight
 
-    def new_input_ids(self, session: Session, request: ChatRequest) -> tuple[array, str, bytes]:
-        """Ids to append for this request's new messages, their rendered text, and the history digest
-        after them. The session's tools are part of its first prompt: they seed the digest."""
-        messages = request.messages
-        recorded = session.message_count
-        if len(messages) <= recorded:
-            raise NoNewMessages(recorded)
+    def plan(self, session: Session, request: ChatRequest) -> NewInput | TurnResult:
+        """A recorded answer to send again (a retry), or the ids this request adds to the tree."""
         seed = tools_digest(request.tools.tools if request.tools else None)
-        if recorded and extend_canonical_digest(seed, messages[:recorded]) != session.history_digest:
-            raise HistoryMismatch(recorded)
-        new = messages[recorded:]
+        digests = message_digests(seed, request.messages)
+        placement = place(session, digests, call_parameters(request))
+        replay = self._replay(session, request, placement.request_digest)
+        if replay is not None:
+            return replay
+        if placement.matched == len(request.messages):
+            raise NoNewMessages(placement.matched)
+        new = request.messages[placement.matched :]
+        new_text = message_text_bytes(new)
+        if new_text > self._limits.max_new_message_bytes:
+            raise NewMessagesTooLarge(new_text, self._limits.max_new_message_bytes)
         tools = request.tools.rendered if request.tools else None
         try:
-            if session.num_turns == 0:
+            if placement.base == ROOT:
                 ids, text = self._tokenizer.first_turn(new, tools, request.template_kwargs)
             else:
+                stop_token = session.turn_stop_tokens[placement.base]
                 ids, text = self._tokenizer.continuation(
-                    new, session.last_stop_token, tools, request.template_kwargs
+                    new, None if stop_token == NO_STOP_TOKEN else stop_token, tools, request.template_kwargs
                 )
         except TemplateError as exc:
             raise TemplateFailed(str(exc)) from None
         except Exception as exc:  # jinja raise_exception and friends: the messages do not fit the template
             raise TemplateFailed(f"chat template failed on these messages: {exc}") from None
-        return ids, text, extend_canonical_digest(session.history_digest if recorded else seed, new)
+        parent, keep = attach(session, placement.base, ids)
+        own = ids[keep - tree.path_length(session, placement.base) :]
+        return NewInput(placement, ids, text, parent, keep, own)
 
-    async def _new_input(self, session: Session, request: ChatRequest) -> tuple[array, str, bytes]:
-        """`new_input_ids`, in a worker thread when the messages are large: templating and tokenizing
+    def _replay(self, session: Session, request: ChatRequest, digest: bytes) -> TurnResult | None:
+        """The recorded answer of this request, when it is a retry (or names a used idempotency key)."""
+        call: int | None
+        if request.idempotency_key is not None:
+            call = session.idempotency_keys.get(idempotency_key_digest(request.idempotency_key))
+            if call is not None and tree.digest_at(session.turn_request_digests, call) != digest:
+                raise IdempotencyKeyReused(session.session_id)
+        elif request.regenerate:
+            return None
+        else:
+            call = tree.latest_call_of(session, digest)
+        if call is None or call >= session.committed_turns:
+            return None
+        return self.recorded_result(session, call, request, replayed=True)
+
+    def recorded_result(
+        self, session: Session, call: int, request: ChatRequest, replayed: bool
+    ) -> TurnResult:
+        """A call's answer rebuilt from the record: the same bytes the client got the first time."""
+        choices = []
+        for turn in tree.calls(session)[call]:
+            _, output_start, end = tree.bounds(session, turn)
+            output_ids = session.token_ids[output_start:end]
+            stop_token = session.turn_stop_tokens[turn]
+            reply = self._replies.build(
+                output_ids,
+                None if stop_token == NO_STOP_TOKEN else stop_token,
+                session.turn_stop_strings.get(turn),
+                request.tools,
+                bool(session.turn_flags[turn] & FLAG_PROMPT_OPENS_REASONING),
+                f"{session.session_id}/{turn}",
+            )
+            finish = FINISH_NAMES.get(session.turn_finishes[turn], "stop")
+            choices.append(Choice(turn, reply, finish, output_ids, session.logprobs[output_start:end]))
+        _, first_output, _ = tree.bounds(session, call)
+        prompt_tokens = tree.path_length(session, call) - (tree.bounds(session, call)[2] - first_output)
+        return TurnResult(call, choices, prompt_tokens, session.turn_created[call], replayed)
+
+    async def _new_input(self, session: Session, request: ChatRequest) -> NewInput | TurnResult:
+        """`plan`, in a worker thread when the messages are large: templating and tokenizing
         megabytes takes seconds, and the loop serves every other session meanwhile (HF tokenizers
-        release the GIL while encoding). The session lock is held: nothing else reads or changes it."""
-        new_text = message_text_bytes(request.messages[session.message_count :])
-        if new_text > self._limits.max_new_message_bytes:
-            raise NewMessagesTooLarge(new_text, self._limits.max_new_message_bytes)
+        release the GIL while encoding). The session lock is held: nothing else changes it."""
         offload_from = self._limits.offload_templating_bytes
         if message_text_bytes(request.messages, stop_after=offload_from) < offload_from:
-            return self.new_input_ids(session, request)  # the common turn: a thread hop costs more
+            return self.plan(session, request)  # the common turn: a thread hop costs more
         self._counters.turns_templated_off_loop += 1
         try:
-            return await asyncio.to_thread(self.new_input_ids, session, request)
+            return await asyncio.to_thread(self.plan, session, request)
         finally:
             if self._after_large_turn is not None:
                 self._after_large_turn()  # the tokenizer's native buffers were freed: give them back
@@ -161,8 +254,6 @@ class TurnService:
     async def run_turn(self, session: Session, request: ChatRequest, timings: dict[str, float]) -> TurnResult:
         if self._in_flight.closed:
             raise ShuttingDown("the proxy is shutting down; retry on its replacement")
-        if session.finished:
-            raise SessionFinished(session.session_id)
         if session.busy:
             self._counters.turns_busy_rejected += 1
             raise TurnInFlight(session.session_id)
@@ -171,6 +262,13 @@ class TurnService:
         t_lock = time.perf_counter()
         with self._in_flight.turn():
             return await self._locked_turn(session, request, timings, t_lock)
+
+    def _check_branch_limit(self, session: Session, new: NewInput, n: int) -> None:
+        leaves = tree.leaves(session)
+        continues_leaf = new.parent in leaves and new.keep == tree.path_length(session, new.parent)
+        after = len(leaves) + n - (1 if continues_leaf else 0)
+        if after > self._limits.max_branches:
+            raise TooManyBranches(session.session_id, self._limits.max_branches)
 
     async def _locked_turn(
         self, session: Session, request: ChatRequest, timings: dict[str, float], t_lock: float
@@ -181,94 +279,181 @@ class TurnService:
             if session.closed:
                 raise SessionEnded(session.session_id, session.close_reason)
             session.touch()
-            new_ids, prompt_tail, digest = await self._new_input(session, request)
-            prompt = array("i", session.token_ids)  # a copy (memcpy): no Python int per token
-            prompt.extend(new_ids)
+            planned = await self._new_input(session, request)
+            if isinstance(planned, TurnResult):
+                self._counters.turns_replayed += 1
+                return planned
+            if session.finished:
+                raise SessionFinished(session.session_id)
+            new = planned
+            self._check_branch_limit(session, new, request.n)
+            prompt = tree.path_ids(session, new.placement.base)  # a copy (memcpy per piece)
+            prompt.extend(new.ids)
             t_up = time.perf_counter()
             timings["tokenize_ms"] = _ms(t_tok, t_up)
-            turn, paused_s = await self._call_upstream(session, prompt, request.sampling_params)
-            generation = turn.generation
+            samples, paused_s = await self._call_upstream(session, prompt, request.sampling_params, request.n)
             t_rec = time.perf_counter()
             if paused_s > 0:
                 timings["pause_wait_ms"] = round(paused_s * 1000, 3)
             timings["upstream_ms"] = round(_ms(t_up, t_rec) - paused_s * 1000, 3)
-            stop_token = self._tokenizer.stop_token(generation.output_ids, generation.stop_token)
-            reply = self._replies.build(generation, stop_token, request.tools, prompt_tail)
-            temperature, tempered = logprobs_tempered(self._engine_logprobs, request.sampling_params)
-            fields = TurnFields(
-                message_count=len(request.messages) + 1,
-                history_digest=extend_digest(digest, [reply.message()]),
-                stopped=stop_token is not None,
-                stop_token=stop_token,
-                model_version=turn.version,
-                version_changes=turn.version_changes,
-                temperature=temperature,
-                tempered=tempered,
-            )
-            mark = session.mark()
-            added = session.append_turn(new_ids, generation.output_ids, generation.logprobs, **fields)
-            self._store.record_growth(added)
-            turn_index = session.num_turns - 1
-            pending = None
-            try:
-                if self._log is not None:  # same synchronous step as the append: journal order = change order
-                    pending = self._log.turn(
-                        session, turn_index, new_ids, generation.output_ids, generation.logprobs, **fields
-                    )
-                    t_journal = time.perf_counter()
-                    await self._log.commit(pending)
-                    timings["journal_ms"] = _ms(t_journal, time.perf_counter())
-            except Failure:
-                # Not durable, so not delivered: the session is as it was, the client may retry the turn.
-                removed = session.rollback(mark)
-                if not session.closed:
-                    self._store.record_growth(-removed)
-                self._counters.turns_failed += 1
-                raise
-            session.touch()
-            self._counters.turns += 1
+            result = await self._record(session, request, new, samples, len(prompt), timings)
             timings["record_ms"] = _ms(t_rec, time.perf_counter())
-            return TurnResult(turn_index, generation, len(prompt), reply)
+            return result
 
-    async def _generate(self, prompt: array, sampling: dict, session: Session) -> tuple[MergedTurn, float]:
-        """Pass the pause gate, then generate; an aborted generation passes the gate again (so it waits
-        for the resume) and continues with its tokens kept. Returns the turn and the seconds held by
-        pauses."""
-        segments: list[Segment] = []
-        paused_total = 0.0
-        request: tuple[array, dict] | None = (prompt, sampling)
-        rid = f"{session.session_id}-{session.num_turns}-{secrets.token_hex(4)}"
+    async def _record(
+        self,
+        session: Session,
+        request: ChatRequest,
+        new: NewInput,
+        samples: list[MergedTurn],
+        prompt_tokens: int,
+        timings: dict[str, float],
+    ) -> TurnResult:
+        """Append every sample as a turn (siblings under the same prompt), journal them, and answer
+        only once they are durable."""
+        temperature, tempered = logprobs_tempered(self._engine_logprobs, request.sampling_params)
+        opens_reasoning = prompt_opens_reasoning(new.text)
+        key = None if request.idempotency_key is None else idempotency_key_digest(request.idempotency_key)
+        created = time.time()
+        mark = session.mark()
+        call = session.num_turns
+        choices: list[Choice] = []
+        pending: list = []
         try:
-            while request is not None:
-                proxy_version, paused_s = await self._generation.enter()
-                paused_total += paused_s
-                try:
-                    generation = await self._upstream.generate(
-                        request[0], request[1], session.session_id, f"{rid}-{len(segments)}"
+            for index, turn in enumerate(samples):
+                generation = turn.generation
+                turn_index = session.num_turns
+                stop_token = self._tokenizer.stop_token(generation.output_ids, generation.stop_token)
+                reply = self._replies.build(
+                    generation.output_ids,
+                    stop_token,
+                    generation.stop_string,
+                    request.tools,
+                    opens_reasoning,
+                    f"{session.session_id}/{turn_index}",
+                )
+                if index == 0:
+                    parent, keep, own = new.parent, new.keep, new.own_ids
+                else:  # the same prompt as the first sample: stored once, under it
+                    parent, keep, own = call, new.keep + len(new.own_ids), array("i")
+                fields = TurnFields(
+                    message_count=len(request.messages) + 1,
+                    history_digest=extend_digest(new.placement.history_digest, [reply.message()]),
+                    stopped=stop_token is not None,
+                    stop_token=stop_token,
+                    model_version=turn.version,
+                    version_changes=turn.version_changes,
+                    temperature=temperature,
+                    tempered=tempered,
+                    parent=parent,
+                    keep=keep,
+                    call=call,
+                    request_digest=new.placement.request_digest,
+                    finish=FINISH_CODES.get(generation.finish_reason, FINISH_UNKNOWN),
+                    flags=FLAG_PROMPT_OPENS_REASONING if opens_reasoning else 0,
+                    created=created,
+                    stop_string=generation.stop_string,
+                    idempotency_key=key if index == 0 else None,
+                )
+                self._store.record_growth(
+                    session.append_turn(own, generation.output_ids, generation.logprobs, **fields)
+                )
+                if self._log is not None:  # in the append's synchronous step: journal order = change order
+                    pending.append(
+                        self._log.turn(
+                            session, turn_index, own, generation.output_ids, generation.logprobs, **fields
+                        )
                     )
-                finally:
-                    self._generation.leave()
+                choices.append(
+                    Choice(
+                        turn_index,
+                        reply,
+                        generation.finish_reason,
+                        generation.output_ids,
+                        generation.logprobs,
+                    )
+                )
+            if self._log is not None:
+                t_journal = time.perf_counter()
+                for record in pending:
+                    await self._log.commit(record)
+                timings["journal_ms"] = _ms(t_journal, time.perf_counter())
+        except Failure:
+            # Not durable, so not delivered: the session is as it was, the client may retry the turn.
+            removed = session.rollback(mark)
+            if not session.closed:
+                self._store.record_growth(-removed)
+            self._counters.turns_failed += 1
+            raise
+        session.committed_turns = session.num_turns
+        session.touch()
+        self._counters.turns += len(samples)
+        return TurnResult(call, choices, prompt_tokens, created)
+
+    async def _generate(
+        self, prompt: array, sampling: dict, session: Session, n: int
+    ) -> tuple[list[MergedTurn], float]:
+        """Pass the pause gate, then generate n samples; an aborted sample passes the gate again (so it
+        waits for the resume) and continues with its tokens kept. Returns the samples and the seconds
+        held by pauses."""
+        paused_total = 0.0
+        rid = f"{session.session_id}-{session.num_turns}-{secrets.token_hex(4)}"
+        sample_segments: list[list[Segment]] = [[] for _ in range(n)]
+        try:
+            proxy_version, paused_s = await self._generation.enter()
+            paused_total += paused_s
+            try:
+                if n == 1:
+                    first = [await self._upstream.generate(prompt, sampling, session.session_id, f"{rid}-0")]
+                else:
+                    first = await self._upstream.generate_samples(
+                        prompt, sampling, session.session_id, f"{rid}-0", n
+                    )
+            finally:
+                self._generation.leave()
+            for segments, generation in zip(sample_segments, first, strict=True):
                 segments.append(Segment(generation, engine_version(generation.weight_version, proxy_version)))
-                if not generation.aborted:
-                    break
-                if len(segments) > MAX_CONTINUATIONS:
-                    raise UpstreamAborted(len(segments), generation.abort_message)
-                request = continuation_request(prompt, sampling, segments)
-                if request is not None:
+            for index, segments in enumerate(sample_segments):
+                request = (
+                    continuation_request(prompt, sampling, segments)
+                    if segments[-1].generation.aborted
+                    else None
+                )
+                while request is not None:
+                    if len(segments) > MAX_CONTINUATIONS:
+                        raise UpstreamAborted(len(segments), segments[-1].generation.abort_message)
                     self._counters.turns_continued += 1
+                    proxy_version, paused_s = await self._generation.enter()
+                    paused_total += paused_s
+                    try:
+                        generation = await self._upstream.generate(
+                            request[0], request[1], session.session_id, f"{rid}-{index}-{len(segments)}"
+                        )
+                    finally:
+                        self._generation.leave()
+                    segments.append(
+                        Segment(generation, engine_version(generation.weight_version, proxy_version))
+                    )
+                    request = continuation_request(prompt, sampling, segments) if generation.aborted else None
         except BaseException:
             # Tokens an engine made before an abort that could not be continued: counted, not hidden.
-            self._counters.generated_tokens_discarded += sum(len(s.generation.output_ids) for s in segments)
+            self._counters.generated_tokens_discarded += sum(
+                len(s.generation.output_ids) for segments in sample_segments for s in segments
+            )
             raise
-        turn = merge_segments(segments, int(sampling["max_new_tokens"]), self._tokenizer.decode)
-        self._counters.generated_tokens_continued += sum(len(s.generation.output_ids) for s in segments[:-1])
-        return turn, paused_total
+        merged = []
+        for segments in sample_segments:
+            merged.append(merge_segments(segments, int(sampling["max_new_tokens"]), self._tokenizer.decode))
+            self._counters.generated_tokens_continued += sum(
+                len(s.generation.output_ids) for s in segments[:-1]
+            )
+        return merged, paused_total
 
     async def _call_upstream(
-        self, session: Session, prompt: array, sampling: dict
-    ) -> tuple[MergedTurn, float]:
+        self, session: Session, prompt: array, sampling: dict, n: int
+    ) -> tuple[list[MergedTurn], float]:
         # One task for the wait at the gate and the call: a DELETE or the drain cancels either.
-        task = asyncio.create_task(self._generate(prompt, sampling, session))
+        task = asyncio.create_task(self._generate(prompt, sampling, session, n))
         try:
             with self._in_flight.generation(session, task):
                 await asyncio.wait({task})

@@ -22,6 +22,7 @@ from rolloutfleet_client import (
     NoProxyAvailable,
     ProxyRequestError,
     SessionLost,
+    turn_ids,
 )
 from rolloutfleet_client.placement import LEAST_LOADED, RANDOM, choose_endpoint
 from rolloutfleet_client.retry import (
@@ -509,8 +510,9 @@ async def test_client_url_and_the_openai_client(upstream_url, test_tokenizer_dir
             history = [*messages, reply["choices"][0]["message"], {"role": "user", "content": "again"}]
             history += [second.choices[0].message.model_dump(), {"role": "user", "content": "more"}]
             history[0] = {"role": "user", "content": "edited"}
-            with pytest.raises(ProxyRequestError, match="409 history_mismatch"):
-                await client.chat(session, history)
+            edited = await client.chat(session, history)  # an edited history starts a branch
+            assert turn_ids(edited) == [2]
+            assert (await client.get(session))["num_branches"] == 2
             await client.delete(session)
             with pytest.raises(SessionLost):  # deleted: 404 from a ready owner
                 await client.get(session)

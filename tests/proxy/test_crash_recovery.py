@@ -1,7 +1,9 @@
-"""SIGKILL (what the OOM killer sends) at random moments under concurrent multi-turn load, then a
-restart on the same dump directory: every turn, reward and finish a client got a 2xx for is there,
-byte-identical. Ten kills in one run on one directory, one of them during a journal compaction and
-one during a restore. Real proxy processes, the SGLang emulator (a stand-in: no GPU here)."""
+"""SIGKILL (what the OOM killer sends) at random moments under concurrent multi-turn load that
+branches (a turn resent from an earlier reply, a regeneration), then a restart on the same dump
+directory: every turn, reward and finish a client got a 2xx for is there, and every delivered reply
+replays byte-identical from the record without the engine. Ten kills in one run on one directory,
+one of them during a journal compaction and one during a restore. Real proxy processes, the SGLang
+emulator (a stand-in: no GPU here)."""
 
 from __future__ import annotations
 
@@ -31,9 +33,16 @@ def engine_url(test_tokenizer_dir):
 
 
 @dataclass
+class DeliveredTurn:
+    body: dict
+    idempotency_key: str
+    answer: bytes  # the reply's bytes as the client got them
+
+
+@dataclass
 class Delivered:
     key: str
-    turns: list[list[float]] = field(default_factory=list)  # each delivered turn's output logprobs
+    turns: list[DeliveredTurn] = field(default_factory=list)
     reward: float | None = None
     finished: bool = False
 
@@ -62,20 +71,31 @@ async def rollouts(url: str, ledger: dict[str, Delivered], rng: random.Random) -
             ledger[sid] = delivered = Delivered(key)
             auth = {"Authorization": f"Bearer {key}"}
             messages: list[dict] = []
+            body: dict = {}
             for turn in range(rng.randint(1, 5)):
-                messages.append(
-                    {"role": "user", "content": f"{sid} turn {turn} " + "x" * rng.randint(0, 200)}
-                )
+                roll = rng.random()
+                if turn and roll < 0.15:  # a new sample of the last request: a sibling branch
+                    body = {**body, "regenerate": True}
+                else:
+                    if turn and roll < 0.4:  # back to an earlier reply, and on from there: a branch
+                        messages = messages[: 2 * rng.randint(1, len(messages) // 2)]
+                    messages.append(
+                        {"role": "user", "content": f"{sid} turn {turn} " + "x" * rng.randint(0, 200)}
+                    )
+                    body = chat_body(list(messages), max_tokens=rng.randint(2, 12), logprobs=True)
+                idempotency_key = f"{sid}-{turn}"
                 reply = await client.post(
                     f"/v1/sessions/{sid}/chat/completions",
-                    headers=auth,
-                    json=chat_body(messages, max_tokens=rng.randint(2, 12), logprobs=True),
+                    headers={**auth, "Idempotency-Key": idempotency_key},
+                    json=body,
                 )
                 if reply.status_code != 200:
                     return
-                choice = reply.json()["choices"][0]
-                delivered.turns.append([t["logprob"] for t in choice["logprobs"]["content"]])
-                messages.append(choice["message"])
+                delivered.turns.append(DeliveredTurn(body, idempotency_key, reply.content))
+                if "regenerate" not in body:
+                    messages.append(reply.json()["choices"][0]["message"])
+                else:
+                    messages[-1] = reply.json()["choices"][0]["message"]
             if rng.random() < 0.5:
                 value = round(rng.uniform(-1, 1), 3)
                 if (
@@ -126,13 +146,20 @@ def check_ledger(url: str, ledger: dict[str, Delivered]) -> int:
             )
             assert got.status_code == 200, (sid, got.text)
             data = got.json()
-            trajectory = data["trajectory"]
             # One more turn than delivered is allowed: recorded and durable, the kill beat the reply.
             assert len(delivered.turns) <= data["num_turns"] <= len(delivered.turns) + 1, sid
-            for index, logprobs in enumerate(delivered.turns):
-                _, output_start, end = trajectory["turns"][index]
-                assert trajectory["logprobs"][output_start:end] == logprobs, (sid, index)
-                assert all(trajectory["loss_mask"][output_start:end]), (sid, index)
+            for index, turn in enumerate(delivered.turns):
+                again = client.post(
+                    f"/v1/sessions/{sid}/chat/completions",
+                    headers={
+                        "Authorization": f"Bearer {delivered.key}",
+                        "Idempotency-Key": turn.idempotency_key,
+                    },
+                    json=turn.body,
+                )
+                assert again.status_code == 200, (sid, index, again.text)
+                assert again.headers.get("Idempotent-Replayed") == "true", (sid, index)
+                assert again.content == turn.answer, (sid, index)
                 checked += 1
             if delivered.reward is not None:
                 assert data["reward"] == delivered.reward, sid

@@ -360,7 +360,9 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
     auth = {"Authorization": f"Bearer {key}"}
     chat = f"{proxy.url}/v1/sessions/{sid}/chat/completions"
     good = chat_body([{"role": "user", "content": "hi"}])
-    assert httpx.post(chat, headers=auth, json=good).status_code == 200
+    first = httpx.post(chat, headers=auth, json=good)
+    assert first.status_code == 200
+    answered = [{"role": "user", "content": "hi"}, first.json()["choices"][0]["message"]]
     before = proxy.get(sid, key).json()
     huge = b'{"messages": [{"role": "user", "content": "' + b"x" * (9 * 1024 * 1024) + b'"}]}'
 
@@ -395,21 +397,20 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
         ),
         ("unknown session", lambda: httpx.get(f"{proxy.url}/v1/sessions/unknown-session-1", headers=ADMIN)),
         ("session key on admin route", lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=auth)),
+        ("too many samples", lambda: httpx.post(chat, headers=auth, json={**good, "n": 10_000})),
         (
-            "history diverged",
-            lambda: httpx.post(
-                chat,
-                headers=auth,
-                json=chat_body(
-                    [
-                        {"role": "user", "content": "not what was said"},
-                        {"role": "assistant", "content": "?"},
-                        {"role": "user", "content": "next"},
-                    ]
-                ),
-            ),
+            "regenerate not a boolean",
+            lambda: httpx.post(chat, headers=auth, json={**good, "regenerate": "yes"}),
         ),
-        ("no new messages", lambda: httpx.post(chat, headers=auth, json=good)),
+        (
+            "empty idempotency key",
+            lambda: httpx.post(chat, headers={**auth, "Idempotency-Key": ""}, json=good),
+        ),
+        (
+            "idempotency key of another request",
+            lambda: httpx.post(chat, headers={**auth, "Idempotency-Key": "k1"}, json=chat_body([])),
+        ),
+        ("no new messages", lambda: httpx.post(chat, headers=auth, json=chat_body(answered))),
         (
             "client-chosen id taken",
             lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"session_id": other_sid}),
@@ -458,7 +459,10 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
         "another session's key": 401,
         "unknown session": 404,
         "session key on admin route": 401,
-        "history diverged": 409,
+        "too many samples": 400,
+        "regenerate not a boolean": 400,
+        "empty idempotency key": 400,
+        "idempotency key of another request": 400,
         "no new messages": 400,
         "client-chosen id taken": 409,
         "bad reward": 400,

@@ -111,19 +111,20 @@ def test_per_token_versions_follow_the_changes_inside_their_turn():
     session = Session("s", b"k")
     session.append_turn(
         array("i", [1, 2]), array("i", [10, 11, 12]), array("f", [-1, -1, -1]),
-        message_count=2, history_digest=b"d", stopped=False, stop_token=None,
+        message_count=2, history_digest=b"d" * 32, stopped=False, stop_token=None,
         model_version=3, version_changes=[(2, 4)], temperature=0.7, tempered=True,
     )  # fmt: skip
     session.append_turn(
         array("i", [5]), array("i", [20, 21]), array("f", [-1, -1]),
-        message_count=4, history_digest=b"e", stopped=False, stop_token=None, model_version=4,
+        message_count=4, history_digest=b"e" * 32, stopped=False, stop_token=None, model_version=4,
     )  # fmt: skip
     assert token_versions(session.to_record()).tolist() == [-1, -1, 3, 3, 4, -1, 4, 4]
     assert session.turn_tempered.tolist() == [1, 0] and math.isnan(session.turn_temperatures[1])
     with pytest.raises(ValueError, match="inside the output"):
         session.append_turn(
             array("i", []), array("i", [1]), array("f", [-1]),
-            message_count=6, history_digest=b"f", stopped=False, stop_token=None, version_changes=[(1, 5)],
+            message_count=6, history_digest=b"f" * 32, stopped=False, stop_token=None,
+            version_changes=[(1, 5)],
         )  # fmt: skip
 
 

@@ -47,7 +47,11 @@ class ErrorCode(StrEnum):
     UNKNOWN_TOOL_CALL_ID = "unknown_tool_call_id"  # 400
     NO_NEW_MESSAGES = "no_new_messages"  # 400: nothing after the recorded history
     NEW_MESSAGES_TOO_LARGE = "new_messages_too_large"  # 400
-    HISTORY_MISMATCH = "history_mismatch"  # 409: the history sent differs from the one recorded
+    # No longer sent: a history that differs from the recorded one starts a branch (kept because codes
+    # are never reused).
+    HISTORY_MISMATCH = "history_mismatch"
+    TOO_MANY_BRANCHES = "too_many_branches"  # 409: the session is at max_branches_per_session
+    IDEMPOTENCY_KEY_REUSED = "idempotency_key_reused"  # 422: the key named another request
     TEMPLATE_ERROR = "template_error"  # 400: the chat template refused these messages
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # 400 (SGLang's refusal)
     INVALID_SAMPLING_PARAMS = "invalid_sampling_params"  # 400 (SGLang's refusal)

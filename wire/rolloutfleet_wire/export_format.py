@@ -20,7 +20,10 @@ Tensors (N tokens, B trajectories, T turns in the batch):
     turn_rewards   float32 [T]     per-turn reward, NaN when none was set
     cu_turns       int64   [B+1]   trajectory i has turns cu_turns[i]:cu_turns[i+1]
 The metadata key `rolloutfleet.export` holds a JSON header (batch id, per-trajectory session ids and
-metadata). Every function here is blocking CPU work: call it from a worker thread.
+metadata, and each trajectory's place in its session's tree: `sample` = {turn, parent, call, path}).
+A trajectory is one sample of a session (`session_tree.SampleShape`): by default the path to its
+latest turn (all of a linear session), or one per leaf, or one per turn. Every function here is
+blocking CPU work: call it from a worker thread.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
 from .session_record import TURN_BOUND_FIELDS, SessionRecord, token_versions
+from .session_tree import SampleShape, samples
 
 FORMAT = "rolloutfleet.export"
 FORMAT_VERSION = 2
@@ -88,6 +92,7 @@ class DecodedBatch:
             "session_id": info["session_id"],
             "metadata": info["metadata"],
             "created_at": info["created_at"],
+            "sample": info.get("sample"),  # batches written before trees have none
             "input_ids": t["input_ids"][start:end].tolist(),
             "attention_mask": [1] * (end - start),
             "loss_mask": t["loss_mask"][start:end].tolist(),
@@ -115,8 +120,17 @@ def _token_versions(record: SessionRecord) -> np.ndarray:
     return np.frombuffer(token_versions(record), np.int32)
 
 
-def encode_batch(batch_id: str, records: list[SessionRecord], model_version: int) -> bytes:
-    """The safetensors bytes of one batch of finished sessions."""
+def encode_batch(
+    batch_id: str, sessions: list[SessionRecord], model_version: int, shape: SampleShape | None = None
+) -> bytes:
+    """The safetensors bytes of one batch of finished sessions, each as the samples `shape` asks."""
+    shape = shape or SampleShape()
+    records: list[SessionRecord] = []
+    places: list[dict[str, Any]] = []
+    for session in sessions:
+        for record, place in samples(session, shape):
+            records.append(record)
+            places.append(place)
     lengths = [len(r.token_ids) for r in records]
     turn_counts = [len(r.turn_bounds) // TURN_BOUND_FIELDS for r in records]
     tensors = {
@@ -150,8 +164,13 @@ def encode_batch(batch_id: str, records: list[SessionRecord], model_version: int
         "batch_id": batch_id,
         "created_at": time.time(),
         "model_version": model_version,
+        "sample_shape": {
+            "mode": (shape or SampleShape()).mode,
+            "drop_replaced": (shape or SampleShape()).drop_replaced,
+        },
         "trajectories": [
-            {"session_id": r.session_id, "metadata": r.metadata, "created_at": r.created_at} for r in records
+            {"session_id": r.session_id, "metadata": r.metadata, "created_at": r.created_at, "sample": place}
+            for r, place in zip(records, places, strict=True)
         ],
     }
     return safetensors_save(tensors, metadata={FORMAT: orjson.dumps(header).decode()})

@@ -18,6 +18,20 @@ TURN_BOUND_FIELDS = 3
 UNKNOWN_VERSION = -1
 # The temperature of a turn recorded before temperatures were.
 UNKNOWN_TEMPERATURE = float("nan")
+# The per-turn digests (of the conversation after the turn's reply, and of the request it answered)
+# are this many bytes each, back to back; all zeros: not recorded (files written before trees).
+DIGEST_BYTES = 32
+NO_DIGEST = bytes(DIGEST_BYTES)
+# turn_parents value of a turn that starts at the root (the first prompt of a branch).
+ROOT = -1
+# turn_stop_tokens value of a turn whose output did not end on a stop token.
+NO_STOP_TOKEN = -1
+# turn_finishes values: how SGLang ended the turn's generation.
+FINISH_UNKNOWN, FINISH_STOP, FINISH_LENGTH, FINISH_ABORT = 0, 1, 2, 3
+FINISH_CODES = {"stop": FINISH_STOP, "length": FINISH_LENGTH, "abort": FINISH_ABORT}
+FINISH_NAMES = {code: name for name, code in FINISH_CODES.items()}
+# turn_flags bits.
+FLAG_PROMPT_OPENS_REASONING = 1  # the generation prompt ended inside a reasoning block
 # version_changes holds (absolute token offset, version) pairs: from that offset to the end of its
 # turn (or the next change) the tokens were generated under that version. Only turns that span a
 # weight update have any, so the common case costs nothing per token.
@@ -46,6 +60,22 @@ class SessionRecord:
     turn_temperatures: array[float] = field(default_factory=lambda: array("f"))
     # 1 per turn whose logprobs are of logits / temperature.
     turn_tempered: array[int] = field(default_factory=lambda: array("B"))
+    # The tree (see session_tree.py): turn t's tokens are the first turn_keeps[t] tokens of the path
+    # to turn_parents[t] (ROOT: none), then its own segment (turn_bounds[t]). Its call is the first
+    # turn recorded by the same request (several for n > 1).
+    turn_parents: array[int] = field(default_factory=lambda: array("i"))
+    turn_keeps: array[int] = field(default_factory=lambda: array("i"))
+    turn_calls: array[int] = field(default_factory=lambda: array("i"))
+    turn_stop_tokens: array[int] = field(default_factory=lambda: array("i"))  # NO_STOP_TOKEN: none
+    turn_message_counts: array[int] = field(default_factory=lambda: array("i"))  # after the reply
+    turn_end_digests: array[int] = field(default_factory=lambda: array("B"))  # DIGEST_BYTES per turn
+    turn_request_digests: array[int] = field(default_factory=lambda: array("B"))  # DIGEST_BYTES per turn
+    turn_finishes: array[int] = field(default_factory=lambda: array("B"))  # FINISH_* codes
+    turn_flags: array[int] = field(default_factory=lambda: array("B"))  # FLAG_* bits
+    turn_created: array[float] = field(default_factory=lambda: array("d"))  # unix time of the reply
+    # Rare per-turn and per-call values, by turn index.
+    turn_stop_strings: dict[int, str] = field(default_factory=dict)  # the stop string that ended it
+    idempotency_keys: dict[str, int] = field(default_factory=dict)  # key digest (hex) -> call
     message_count: int = 0
     history_digest: bytes = EMPTY_DIGEST
     last_output_stopped: bool = False
@@ -60,8 +90,9 @@ RECORD_FIELDS = tuple(f.name for f in fields(SessionRecord))
 
 
 def token_versions(record: SessionRecord) -> array[int]:
-    """The model version of every token: its turn's version on generated tokens, then any mid-turn
-    changes; UNKNOWN_VERSION on prompt tokens."""
+    """The model version of every token of `token_ids` (each turn's own segment, in recording order):
+    its turn's version on generated tokens, then any mid-turn changes; UNKNOWN_VERSION on prompt
+    tokens."""
     versions = array("i", [UNKNOWN_VERSION]) * len(record.token_ids)
     bounds = record.turn_bounds
     for turn, version in enumerate(record.turn_versions):
