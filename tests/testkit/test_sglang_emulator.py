@@ -597,3 +597,27 @@ async def test_max_new_tokens_zero_is_prefill_only_and_caches_the_prompt(test_to
     assert len(events) == 2 and events[-1] == "[DONE]"
     assert orjson.loads(events[0])["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
     assert after["meta_info"]["cached_tokens"] == len(ids) - 1
+
+
+@pytest.mark.router
+async def test_the_real_router_passes_n_and_the_groups_answers_through(
+    test_tokenizer_dir, tokenizer, tmp_path
+):
+    """sglang-router 0.3.2 re-serializes /generate through its typed GenerateRequest, whose
+    SamplingParams (19 fields) has `n: Option<u32>`: n reaches the engine, a negative n is refused by the
+    router itself (422, a u32 field), and the engine's list and streamed chunks come back unchanged."""
+    from rolloutfleet_testkit.routed_engines import routed_emulators
+
+    ids = prompt_ids(tokenizer)
+    with routed_emulators(test_tokenizer_dir, tmp_path, count=1) as (router_url, _engines):
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"input_ids": ids, "rid": "g", "sampling_params": {"n": 2, "max_new_tokens": 4}}
+            group = await client.post(f"{router_url}/generate", json=body)
+            streamed = await client.post(f"{router_url}/generate", json={**body, "stream": True})
+            negative = await client.post(
+                f"{router_url}/generate", json={**body, "sampling_params": {"n": -1, "max_new_tokens": 4}}
+            )
+    assert group.status_code == 200 and len(group.json()) == 2
+    chunks = [orjson.loads(event) for event in _events(streamed.text)[:-1]]
+    assert sorted({chunk["index"] for chunk in chunks}) == [0, 1] and len(chunks) == 2 * 4
+    assert negative.status_code == 422 and "sampling_params.n" in negative.text

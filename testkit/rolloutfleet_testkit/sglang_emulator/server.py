@@ -26,7 +26,8 @@ meet (`protocol.py`, `scheduler.py`, `radix_cache.py` name the SGLang functions 
   `/model_info` and their deprecated `/get_` names), `/v1/models`, a non-streaming OpenAI
   `/v1/chat/completions`, and our own `GET /emulator_stats` (requests, prompt and cached tokens).
 POSTs through the router need `Content-Type: application/json`; the router re-serializes
-`/generate` bodies (it drops a top-level `seed`; `sampling_seed`, `stop_token_ids`, `rid` pass).
+`/generate` bodies (it drops a top-level `seed`; `sampling_seed`, `stop_token_ids`, `rid` and `n` pass,
+a negative `n` is its own 422) and returns a group's list, or its streamed chunks, unchanged.
 """
 
 from __future__ import annotations
