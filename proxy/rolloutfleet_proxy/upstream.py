@@ -30,6 +30,7 @@ class Generation:
     weight_version: str | None = None  # SGLang's meta_info.weight_version: the weights that answered
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache already held
     abort_message: str | None = None  # set when finish_reason is "abort": the engine stopped early
+    rid: str | None = None  # SGLang's meta_info.id: the engine request (a sample's own rid, in a group)
 
     @property
     def aborted(self) -> bool:
@@ -69,14 +70,33 @@ def refused_request(message: str) -> ProxyError:
     return bad_request(ErrorCode.INVALID_SAMPLING_PARAMS, f"SGLang refused the turn: {message}")
 
 
-def parse_generate_answer(body: bytes) -> Generation:
-    """Validate an SGLang /generate answer; anything inconsistent is an upstream error (502)."""
+def _loads(body: bytes) -> Any:
     try:
-        answer = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise upstream_error(502, f"upstream answered with invalid JSON: {exc}") from None
+
+
+def parse_generate_answer(body: bytes) -> Generation:
+    """Validate an SGLang /generate answer; anything inconsistent is an upstream error (502)."""
+    answer = _loads(body)
     if isinstance(answer, list) and len(answer) == 1:
         answer = answer[0]
+    return _generation(answer)
+
+
+def parse_generate_samples(body: bytes, n: int) -> list[Generation]:
+    """The answer to a /generate with `sampling_params.n`: for n > 1 SGLang answers a JSON list of the
+    n samples' results in sample order (`TokenizerManager._handle_batch_request`), for n = 1 one result.
+    Any other count is an upstream error (502): an engine that ignored n."""
+    answer = _loads(body)
+    results = answer if isinstance(answer, list) else [answer]
+    if len(results) != n:
+        raise upstream_error(502, f"upstream answered {len(results)} results for n={n} samples")
+    return [_generation(result) for result in results]
+
+
+def _generation(answer: object) -> Generation:
     if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
         raise upstream_error(502, "upstream answer has no meta_info object")
     meta: dict[str, Any] = answer["meta_info"]
@@ -106,6 +126,7 @@ def parse_generate_answer(body: bytes) -> Generation:
         message = finish.get("message") if isinstance(finish, dict) else None
         abort_message = str(message) if message else "no reason given"
     weight_version = meta.get("weight_version")
+    rid = meta.get("id")
     text = answer.get("text", "")
     if not isinstance(text, str):
         raise upstream_error(502, "upstream text is not a string")
@@ -120,6 +141,7 @@ def parse_generate_answer(body: bytes) -> Generation:
         weight_version=None if weight_version is None else str(weight_version),
         cached_tokens=_count(meta.get("cached_tokens")),
         abort_message=abort_message,
+        rid=rid if isinstance(rid, str) else None,
     )
 
 
@@ -160,6 +182,41 @@ class SGLangClient:
         """One `/generate`. `routing_key` (the session id) goes in `X-SMG-Routing-Key`, the header
         sglang-router's `manual` policy routes by, so a session's turns stay on one engine's prefix
         cache. `rid` names the request on the engine (its logs, `/abort_request`)."""
+        return parse_generate_answer(await self._post_generate(input_ids, sampling_params, routing_key, rid))
+
+    async def generate_samples(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        n: int,
+        routing_key: str | None = None,
+        rid: str | None = None,
+    ) -> list[Generation]:
+        """n samples of one prompt in ONE `/generate` with `sampling_params.n` (a GRPO group), in
+        SGLang's sample order. SGLang batches them itself (`TokenizerManager._handle_batch_request`):
+        it prefills the prompt once into its prefix cache, then runs the n samples as independent
+        requests (each its own random stream, finish reason, logprobs and `Generation.rid`).
+        sglang-router 0.3.2 passes `n` through and returns the engine's list unchanged, so this works
+        through the router as straight to an engine. SGLang names each sample anew: `rid` reaches the
+        engine but names no sample, so `/abort_request` by it aborts nothing; a pause in abort mode (or
+        `abort_all`) aborts every sample, each answered with its own tokens so far. The samples share
+        the sampling parameters: under `--enable-deterministic-inference` a `sampling_seed` makes all n
+        the same sequence."""
+        if n < 1:
+            raise ValueError(f"n must be at least 1, got {n}")
+        params = {key: value for key, value in sampling_params.items() if key != "n"}
+        if n > 1:
+            params["n"] = n
+        return parse_generate_samples(await self._post_generate(input_ids, params, routing_key, rid), n)
+
+    async def _post_generate(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        routing_key: str | None,
+        rid: str | None,
+    ) -> bytes:
+        """POST /generate (non-streaming, output logprobs); the body of a 200, else a ProxyError."""
         request: dict[str, Any] = {
             # An int32 array goes out through numpy: no Python int per token for long prompts.
             "input_ids": np.frombuffer(input_ids, dtype=np.int32)
@@ -189,4 +246,4 @@ class SGLangClient:
         if status != 200:
             snippet = body[:300].decode(errors="replace")
             raise upstream_error(502, f"upstream /generate answered {status}: {snippet}")
-        return parse_generate_answer(body)
+        return body

@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import orjson
 import pytest
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.sglang_emulator.model import load_model, score
@@ -344,3 +345,279 @@ async def test_health_generates_and_waits_behind_a_pause_unless_switched_off(tes
             assert (await client.get(f"{url}/health")).status_code == 200
             assert time.monotonic() - started < 0.4
             assert (await client.get(f"{url}/health_generate")).status_code == 503
+
+
+# --- Parallel sampling: sampling_params.n ------------------------------------------------------------
+
+
+def _logprobs(answer: dict) -> list[float]:
+    return [entry[0] for entry in answer["meta_info"]["output_token_logprobs"]]
+
+
+async def test_n_answers_a_list_of_independent_samples_after_caching_the_prompt(
+    test_tokenizer_dir, tokenizer
+):
+    """GenerateReqInput._handle_parallel_sampling turns a prompt with n > 1 into a batch;
+    TokenizerManager._handle_batch_request first sends the prompt with max_new_tokens 0 ("Cache the
+    common prefix for parallel sampling"), then n requests, each with a rid of its own
+    (regenerate_rid: a uuid4 hex, never the request's rid); _collect_batch_responses answers their
+    results as one JSON list in that order."""
+    ids = prompt_ids(tokenizer)
+    model = load_model(len(tokenizer), seed=0, eos_token_id=tokenizer.eos_token_id)
+    with emulator(test_tokenizer_dir) as url:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {
+                "input_ids": ids,
+                "rid": "group-1",
+                "return_logprob": True,
+                "sampling_params": {"n": 4, "max_new_tokens": 24, "temperature": 0.9},
+            }
+            response = await client.post(f"{url}/generate", json=body)
+            stats = (await client.get(f"{url}/emulator_stats")).json()
+            greedy = await client.post(
+                f"{url}/generate", json={**body, "sampling_params": {"n": 3, "temperature": 0}}
+            )
+    assert response.status_code == 200
+    samples = response.json()
+    assert isinstance(samples, list) and len(samples) == 4
+    rids = [sample["meta_info"]["id"] for sample in samples]
+    assert len(set(rids)) == 4 and all(len(rid) == 32 and "group-1" not in rid for rid in rids)
+    # Each sample draws its own tokens (temperature > 0), with its own logprobs and finish reason.
+    assert len({tuple(sample["output_ids"]) for sample in samples}) == 4
+    for sample in samples:
+        out, meta = sample["output_ids"], sample["meta_info"]
+        assert _logprobs(sample) == pytest.approx(score(model, ids, out, 0.9), abs=1e-5)
+        if out[-1] == tokenizer.eos_token_id:
+            assert meta["finish_reason"] == {"type": "stop", "matched": tokenizer.eos_token_id}
+        else:
+            assert meta["finish_reason"] == {"type": "length", "length": 24} and len(out) == 24
+        assert (meta["prompt_tokens"], meta["completion_tokens"]) == (len(ids), len(out))
+        # On a fresh engine too: the prefill-only request cached the prompt before the samples ran.
+        assert meta["cached_tokens"] == len(ids) - 1
+    assert stats["requests"] == 1 + 4  # the prefill-only request and the four samples
+    # Greedy samples are all the argmax path.
+    assert len({tuple(sample["output_ids"]) for sample in greedy.json()}) == 1
+
+
+@pytest.mark.parametrize("n", [1, 0, -3, True])
+async def test_n_of_one_or_less_is_a_single_request(n, test_tokenizer_dir, tokenizer):
+    """_handle_parallel_sampling makes a batch only for parallel_sample_num > 1: otherwise the request
+    stays single (_normalize_single_inputs keeps its rid) and answers one object."""
+    with emulator(test_tokenizer_dir) as url:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {
+                "input_ids": prompt_ids(tokenizer),
+                "rid": "one",
+                "sampling_params": {"n": n, "max_new_tokens": 3},
+            }
+            answer = (await client.post(f"{url}/generate", json=body)).json()
+    assert isinstance(answer, dict) and answer["meta_info"]["id"] == "one"
+
+
+@pytest.mark.parametrize("n", [None, "2", 2.0])
+async def test_n_that_is_no_integer_fails_with_500(n, test_tokenizer_dir, tokenizer):
+    """_handle_parallel_sampling compares n with 1 and _normalize_rid ranges over n times the batch size,
+    unchecked: a TypeError, which SGLang's server answers as an unhandled exception (HTTP 500)."""
+    with emulator(test_tokenizer_dir) as url:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"input_ids": prompt_ids(tokenizer), "sampling_params": {"n": n, "max_new_tokens": 3}}
+            assert (await client.post(f"{url}/generate", json=body)).status_code == 500
+
+
+def _events(raw: str) -> list[str]:
+    events = [block for block in raw.split("\n\n") if block]
+    assert all(event.startswith("data: ") for event in events), events[:3]
+    return [event[len("data: ") :] for event in events]
+
+
+async def test_a_streamed_group_interleaves_its_samples_each_chunk_with_its_index(
+    test_tokenizer_dir, tokenizer
+):
+    """TokenizerManager._stream_batch_responses yields each sample's chunks as they come and sets
+    `index` (the sample's place in the group) on every one; each sample streams as a single request
+    does (cumulative text and ids, the last chunk with the finish); then `data: [DONE]`."""
+    ids = prompt_ids(tokenizer)
+    model = load_model(len(tokenizer), seed=0, eos_token_id=tokenizer.eos_token_id)
+    with emulator(test_tokenizer_dir) as url:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {
+                "input_ids": ids,
+                "return_logprob": True,
+                "stream": True,
+                "sampling_params": {"n": 3, "max_new_tokens": 10, "temperature": 1.0, "ignore_eos": True},
+            }
+            raw = (await client.post(f"{url}/generate", json=body)).text
+    events = _events(raw)
+    assert events[-1] == "[DONE]"
+    by_index: dict[int, list[dict]] = {}
+    positions: dict[int, list[int]] = {}
+    for position, event in enumerate(events[:-1]):
+        chunk = orjson.loads(event)
+        by_index.setdefault(chunk["index"], []).append(chunk)
+        positions.setdefault(chunk["index"], []).append(position)
+    assert sorted(by_index) == [0, 1, 2]
+    assert len({chunks[0]["meta_info"]["id"] for chunks in by_index.values()}) == 3
+    for chunks in by_index.values():
+        assert len({chunk["meta_info"]["id"] for chunk in chunks}) == 1
+        assert [len(chunk["output_ids"]) for chunk in chunks] == list(range(1, 11))
+        assert all(chunk["meta_info"]["finish_reason"] is None for chunk in chunks[:-1])
+        last = chunks[-1]
+        assert last["meta_info"]["finish_reason"] == {"type": "length", "length": 10}
+        assert all(last["output_ids"][: len(c["output_ids"])] == c["output_ids"] for c in chunks)
+        assert _logprobs(last) == pytest.approx(score(model, ids, last["output_ids"], 1.0), abs=1e-5)
+    # The samples' chunks interleave: every sample has streamed before any one has finished.
+    assert max(at[0] for at in positions.values()) < min(at[-1] for at in positions.values())
+
+
+async def test_pause_in_abort_mode_aborts_every_sample_of_a_group(test_tokenizer_dir, tokenizer):
+    """pause_generation(abort) aborts all requests (abort_request(abort_all=True)): each of a group's
+    samples ends with finish abort and its own tokens so far; the group still answers HTTP 200 with the
+    list of all n results (_wait_one_response yields an abort without an error status as a result)."""
+    ids = prompt_ids(tokenizer)
+    model = load_model(len(tokenizer), seed=0, eos_token_id=tokenizer.eos_token_id)
+    with emulator(test_tokenizer_dir, token_delay_s=0.02) as url:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {
+                "input_ids": ids,
+                "return_logprob": True,
+                "sampling_params": {"n": 3, "max_new_tokens": 300, "temperature": 0.7, "ignore_eos": True},
+            }
+            running = asyncio.create_task(client.post(f"{url}/generate", json=body))
+            await _wait_running(client, url, 3)
+            await asyncio.sleep(0.2)
+            assert (await client.post(f"{url}/pause_generation", json={"mode": "abort"})).status_code == 200
+            response = await running
+            await client.post(f"{url}/continue_generation")
+    assert response.status_code == 200
+    samples = response.json()
+    assert len(samples) == 3
+    for sample in samples:
+        assert sample["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < len(sample["output_ids"]) < 300
+        assert _logprobs(sample) == pytest.approx(score(model, ids, sample["output_ids"], 0.7), abs=1e-5)
+
+
+async def test_the_requests_rid_aborts_no_sample_and_a_samples_own_rid_aborts_only_it(
+    test_tokenizer_dir, tokenizer
+):
+    """TokenizerManager.abort_request returns at once for a rid it holds no state for: the samples run
+    under regenerated rids, so aborting the request's rid stops nothing. A sample's own rid (its
+    streamed meta_info.id) aborts that sample alone."""
+    with emulator(test_tokenizer_dir, token_delay_s=0.02) as url:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {
+                "input_ids": prompt_ids(tokenizer),
+                "rid": "group-2",
+                "stream": True,
+                "sampling_params": {"n": 2, "max_new_tokens": 60, "ignore_eos": True},
+            }
+            chunks: list[dict] = []
+            async with client.stream("POST", f"{url}/generate", json=body) as response:
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunks.append(orjson.loads(line[len("data: ") :]))
+                    if len(chunks) == 1:
+                        assert (
+                            await client.post(f"{url}/abort_request", json={"rid": "group-2"})
+                        ).status_code == 200
+                        await asyncio.sleep(0.2)
+                        stats = (await client.get(f"{url}/emulator_stats")).json()
+                        assert (stats["aborted"], stats["running"]) == (0, 2)
+                        victim = chunks[0]["meta_info"]["id"]
+                        await client.post(f"{url}/abort_request", json={"rid": victim})
+    last = {chunk["index"]: chunk for chunk in chunks}
+    aborted = chunks[0]["index"]
+    assert last[aborted]["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(last[aborted]["output_ids"]) < 60
+    assert last[1 - aborted]["meta_info"]["finish_reason"] == {"type": "length", "length": 60}
+
+
+async def test_a_client_that_goes_away_aborts_every_sample(test_tokenizer_dir, tokenizer):
+    """Each sample's _wait_one_response aborts its own rid when the client has disconnected."""
+    with emulator(test_tokenizer_dir, token_delay_s=0.02) as url:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {
+                "input_ids": prompt_ids(tokenizer),
+                "sampling_params": {"n": 3, "max_new_tokens": 500, "ignore_eos": True},
+            }
+            async with httpx.AsyncClient(timeout=0.5) as impatient:
+                with pytest.raises(httpx.ReadTimeout):
+                    await impatient.post(f"{url}/generate", json=body)
+            deadline = time.monotonic() + 10
+            while (stats := (await client.get(f"{url}/emulator_stats")).json())["running"]:
+                assert time.monotonic() < deadline, "the abandoned samples kept running"
+                await asyncio.sleep(0.1)
+    assert stats["aborted"] == 3
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+async def test_one_sampling_seed_makes_the_samples_alike_under_deterministic_inference(
+    deterministic, test_tokenizer_dir, tokenizer
+):
+    """_normalize_sampling_params gives every sample the same sampling_params, and
+    SamplingBatchInfo.from_schedule_batch seeds each row with its request's sampling_seed when
+    deterministic inference is on: n samples with one seed are n copies of the seed's one sequence.
+    Without deterministic inference the seed is ignored and the samples differ."""
+    ids = prompt_ids(tokenizer)
+    with emulator(test_tokenizer_dir, deterministic_inference=deterministic) as url:
+        async with httpx.AsyncClient(timeout=60) as client:
+            params = {"max_new_tokens": 16, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 7}
+            body = {"input_ids": ids, "sampling_params": {**params, "n": 3}}
+            samples = (await client.post(f"{url}/generate", json=body)).json()
+            single = (
+                await client.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": params})
+            ).json()
+    distinct = {tuple(sample["output_ids"]) for sample in samples}
+    if deterministic:
+        assert distinct == {tuple(single["output_ids"])}
+    else:
+        assert len(distinct) == 3
+
+
+async def test_max_new_tokens_zero_is_prefill_only_and_caches_the_prompt(test_tokenizer_dir, tokenizer):
+    """Req.is_prefill_only (max_new_tokens 0): check_finished ends it with length 0 right after the
+    prefill, and cache_finished_req keeps its whole input, which a later request then reports as
+    cached (all but its last token, Req.init_next_round_input). Streamed, it is one final chunk."""
+    ids = prompt_ids(tokenizer)
+    with emulator(test_tokenizer_dir) as url:
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}}
+            prefill = (await client.post(f"{url}/generate", json=body)).json()
+            streamed = (await client.post(f"{url}/generate", json={**body, "stream": True})).text
+            after = (
+                await client.post(f"{url}/generate", json={**body, "sampling_params": {"max_new_tokens": 2}})
+            ).json()
+    assert prefill["output_ids"] == [] and prefill["meta_info"]["finish_reason"] == {
+        "type": "length",
+        "length": 0,
+    }
+    assert prefill["meta_info"]["cached_tokens"] == 0
+    events = _events(streamed)
+    assert len(events) == 2 and events[-1] == "[DONE]"
+    assert orjson.loads(events[0])["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+    assert after["meta_info"]["cached_tokens"] == len(ids) - 1
+
+
+@pytest.mark.router
+async def test_the_real_router_passes_n_and_the_groups_answers_through(
+    test_tokenizer_dir, tokenizer, tmp_path
+):
+    """sglang-router 0.3.2 re-serializes /generate through its typed GenerateRequest, whose
+    SamplingParams (19 fields) has `n: Option<u32>`: n reaches the engine, a negative n is refused by the
+    router itself (422, a u32 field), and the engine's list and streamed chunks come back unchanged."""
+    from rolloutfleet_testkit.routed_engines import routed_emulators
+
+    ids = prompt_ids(tokenizer)
+    with routed_emulators(test_tokenizer_dir, tmp_path, count=1) as (router_url, _engines):
+        async with httpx.AsyncClient(timeout=60) as client:
+            body = {"input_ids": ids, "rid": "g", "sampling_params": {"n": 2, "max_new_tokens": 4}}
+            group = await client.post(f"{router_url}/generate", json=body)
+            streamed = await client.post(f"{router_url}/generate", json={**body, "stream": True})
+            negative = await client.post(
+                f"{router_url}/generate", json={**body, "sampling_params": {"n": -1, "max_new_tokens": 4}}
+            )
+    assert group.status_code == 200 and len(group.json()) == 2
+    chunks = [orjson.loads(event) for event in _events(streamed.text)[:-1]]
+    assert sorted({chunk["index"] for chunk in chunks}) == [0, 1] and len(chunks) == 2 * 4
+    assert negative.status_code == 422 and "sampling_params.n" in negative.text

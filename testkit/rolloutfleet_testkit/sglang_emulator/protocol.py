@@ -4,7 +4,9 @@ Each rule follows a named piece of SGLang's source (read, not copied):
 - `SamplingParams.__init__` defaults and `SamplingParams.verify` ranges and messages;
 - `TokenizerManager._validate_one_request`: the context-length checks and their messages;
 - `Req.check_finished`: max_new_tokens is tested before stop tokens, then stop strings;
-- `_create_error_response`: refusals are HTTP 400 `{"error": {"message": ...}}`.
+- `_create_error_response`: refusals are HTTP 400 `{"error": {"message": ...}}`;
+- `GenerateReqInput._handle_parallel_sampling`: `sampling_params["n"]` is the number of parallel
+  samples of the prompt.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ SAMPLING_FIELDS = frozenset(
 
 class BadRequest(ValueError):
     """A request SGLang refuses with HTTP 400."""
+
+
+class ServerError(TypeError):
+    """A request SGLang fails on with an unhandled exception: HTTP 500 `Internal Server Error`."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,19 @@ def parse_sampling(params: object, eos_token_id: int | None, vocab_size: int) ->
         no_stop_trim=bool(params.get("no_stop_trim", False)),
         seed=_integer(params, "sampling_seed", None),
     )
+
+
+def parallel_sample_num(params: object) -> int:
+    """GenerateReqInput._handle_parallel_sampling: `sampling_params.get("n", 1)`; above 1 the single
+    prompt becomes a batch of that many samples, at most 1 (0 and negatives too) it stays a single
+    request. SGLang compares n with 1 and ranges over it unchecked: anything but an integer (null, a
+    string, a float) raises a TypeError there, which its server answers with HTTP 500."""
+    if not isinstance(params, dict):
+        return 1
+    n = params.get("n", 1)
+    if not isinstance(n, int):
+        raise ServerError(f"parallel sample number n must be an integer, got {n!r}")
+    return int(n)  # a bool is an int to Python (True > 1 is False): a single request
 
 
 def check_context_length(input_length: int, max_new_tokens: int, context_length: int) -> None:

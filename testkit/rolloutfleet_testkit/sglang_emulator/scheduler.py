@@ -15,7 +15,13 @@ Behaviours and where SGLang has them:
   every answer reports. New requests wait while weights load.
 - `abort(rid)` / `abort(all)` (`/abort_request`); a client that goes away aborts its request.
 - A finished request's `(input + output)[:-1]` goes into the radix cache; a new request reports the
-  cached prefix of its input as `cached_tokens` (`radix_cache.py`).
+  cached prefix of its input as `cached_tokens` (`radix_cache.py`). A request with max_new_tokens 0
+  is prefill-only (`Req.is_prefill_only`): it ends at once with finish length 0, its whole input
+  cached (the prefill's one sampled token has no KV).
+- Parallel sampling (`submit_group`, `TokenizerManager._handle_batch_request` with n > 1): the group
+  passes the pause gate once; a prefill-only request puts the prompt in the cache ("Cache the common
+  prefix for parallel sampling"), then the n samples run as n independent requests, each with its own
+  rid and random stream, in the batch with everything else.
 """
 
 from __future__ import annotations
@@ -104,7 +110,28 @@ class Scheduler:
         """Queue a request (waiting while paused or while weights load) and return it once it ends."""
         self._ensure_loop()
         await self._open()
+        self._admit(request)
+        await request.done.wait()
+        return request
+
+    async def submit_group(self, prefill: Request, samples: list[Request]) -> list[Request]:
+        """Parallel sampling, as `TokenizerManager._handle_batch_request` runs a prompt with n > 1:
+        `generate_request` passes the pause gate once for the whole group; `prefill` (the prompt with
+        max_new_tokens 0) caches the common prefix; then each sample is sent as a request of its own.
+        Returns the samples, in their order, once every one has ended."""
+        self._ensure_loop()
+        await self._open()
+        self._admit(prefill)  # prefill-only: ends at once, its prompt cached before the samples match
+        for sample in samples:
+            self._admit(sample)
+        await asyncio.gather(*(sample.done.wait() for sample in samples))
+        return samples
+
+    def _admit(self, request: Request) -> None:
+        """Hand a request to the scheduler: match its prefix, give it its random stream, run it."""
         request.cached_tokens = self.cache.cached_tokens(request.input_ids)
+        # SamplingBatchInfo takes each request's own sampling_seed: the n samples of a group carry the
+        # same sampling_params, so under deterministic inference one seed makes them all alike.
         seed = request.sampling.seed if self.deterministic and request.sampling.seed is not None else None
         if seed is None:  # without deterministic inference SGLang ignores sampling_seed
             self._seeds += 1
@@ -114,13 +141,15 @@ class Scheduler:
         self.stats["prompt_tokens"] += len(request.input_ids)
         self.stats["cached_tokens"] += request.cached_tokens
         if request.sampling.max_new_tokens == 0:
+            # Prefill-only: the prefill samples one token, check_finished ends the request with
+            # length 0 and cache_finished_req keeps (input + [that token])[:-1], the whole input.
+            self.cache.insert(request.input_ids)
             request.finish = {"type": "length", "length": 0}
             request.done.set()
-            return request
+            request.steps.put_nowait(None)
+            return
         self.running.append(request)
         self._work.set()
-        await request.done.wait()
-        return request
 
     async def abort(self, rid: str | None = None, message: str = "Abort request.") -> int:
         """End running requests (one by rid, or all) with finish abort; they keep their tokens. Between

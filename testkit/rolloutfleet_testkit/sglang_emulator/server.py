@@ -7,6 +7,9 @@ meet (`protocol.py`, `scheduler.py`, `radix_cache.py` name the SGLang functions 
   `weight_version`, `e2e_latency`, `output_token_logprobs` as `[logprob, id, text|null]`) out;
   streamed as cumulative chunks with `stream`. 400 `{"error": {"message"}}` for a prompt over the
   context length (`--context-length`) and for sampling parameters SGLang's `verify` refuses.
+  `sampling_params.n` > 1 (parallel sampling, `TokenizerManager._handle_batch_request`): n samples of
+  the prompt, each a request of its own with a fresh rid (the request's `rid` names none of them),
+  answered as a JSON list in sample order; streamed, every chunk also carries its sample's `index`.
   Logprobs are tempered when sampling unless `SGLANG_RETURN_ORIGINAL_LOGPROB=1`.
   `sampling_seed` counts only with `--enable-deterministic-inference`, as in SGLang.
 - `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`,
@@ -23,7 +26,8 @@ meet (`protocol.py`, `scheduler.py`, `radix_cache.py` name the SGLang functions 
   `/model_info` and their deprecated `/get_` names), `/v1/models`, a non-streaming OpenAI
   `/v1/chat/completions`, and our own `GET /emulator_stats` (requests, prompt and cached tokens).
 POSTs through the router need `Content-Type: application/json`; the router re-serializes
-`/generate` bodies (it drops a top-level `seed`; `sampling_seed`, `stop_token_ids`, `rid` pass).
+`/generate` bodies (it drops a top-level `seed`; `sampling_seed`, `stop_token_ids`, `rid` and `n` pass,
+a negative `n` is its own 422) and returns a group's list, or its streamed chunks, unchanged.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -49,7 +53,9 @@ from .model import load_model
 from .protocol import (
     BadRequest,
     Sampling,
+    ServerError,
     check_context_length,
+    parallel_sample_num,
     parse_sampling,
     trimmed_text,
 )
@@ -99,6 +105,11 @@ class GenerateParams:
     return_logprob: bool
     return_text_in_logprobs: bool
     stream: bool
+    n: int = 1  # parallel_sample_num: above 1, a group of n samples answered as a list
+
+    @property
+    def parallel(self) -> bool:
+        return self.n > 1
 
 
 def _json_response(payload: object, status: int = 200) -> Response:
@@ -144,6 +155,7 @@ def parse_generate_request(
         input_ids = _token_list(body["input_ids"], len(tokenizer), "input_ids")
     if not input_ids:
         raise BadRequest("The input_ids must not be empty.")
+    n = parallel_sample_num(body.get("sampling_params"))  # normalize_batch_and_arguments, first
     sampling = parse_sampling(body.get("sampling_params"), eos_token_id, len(tokenizer))
     check_context_length(len(input_ids), sampling.max_new_tokens, context_length)
     rid = body.get("rid")
@@ -156,15 +168,17 @@ def parse_generate_request(
         return_logprob=_bool_field(body, "return_logprob"),
         return_text_in_logprobs=_bool_field(body, "return_text_in_logprobs"),
         stream=_bool_field(body, "stream"),
+        n=n,
     )
 
 
 def generate_answer(params: GenerateParams, request: EngineRequest, tokenizer, weight_version: str) -> dict:
-    """The SGLang `/generate` answer for the request's output so far (also one streamed chunk)."""
+    """The SGLang `/generate` answer for the request's output so far (also one streamed chunk);
+    `meta_info.id` is the engine request's rid (a sample's own, in a group)."""
     output_ids = list(request.output_ids)
     logprobs = list(request.logprobs)[: len(output_ids)]
     meta_info: dict = {
-        "id": params.rid,
+        "id": request.rid,
         "finish_reason": request.finish,
         "prompt_tokens": len(params.input_ids),
         "completion_tokens": len(output_ids),
@@ -280,6 +294,28 @@ def _sse(payload: object) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+async def _merge_streams(streams: list[AsyncGenerator[dict]]) -> AsyncIterator[tuple[int, dict]]:
+    """(index, chunk) from several streams as each chunk comes, as `_stream_batch_responses` interleaves
+    a group's samples (the index is the sample's place in the group)."""
+    pending = {asyncio.ensure_future(anext(stream)): i for i, stream in enumerate(streams)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                index = pending.pop(task)
+                try:
+                    chunk = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield index, chunk
+                pending[asyncio.ensure_future(anext(streams[index]))] = index
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await asyncio.gather(*(stream.aclose() for stream in streams), return_exceptions=True)
+
+
 def create_app(
     tokenizer_path: str,
     seed: int = 0,
@@ -334,53 +370,85 @@ def create_app(
     async def bad_request(_request: Request, exc: BadRequest) -> Response:
         return error_response(str(exc))
 
-    async def run(params: GenerateParams, http: Request | None) -> EngineRequest:
-        """Schedule the request; a client that disconnects aborts it (as SGLang does)."""
+    @app.exception_handler(ServerError)
+    async def server_error(_request: Request, _exc: ServerError) -> Response:
+        return Response("Internal Server Error", status_code=500, media_type="text/plain")
+
+    def start(params: GenerateParams) -> tuple[list[EngineRequest], asyncio.Task]:
+        """The engine requests of a /generate (one, or a group's n samples in sample order) and the
+        task that schedules them. A group's prefill-only request and each sample get rids of their own
+        (`tmp_obj.regenerate_rid()`, a uuid4 hex), never the request's `rid`."""
+        if not params.parallel:
+            single = EngineRequest(params.rid, list(params.input_ids), params.sampling)
+            return [single], asyncio.create_task(scheduler.submit(single))
+        prefill = EngineRequest(
+            uuid.uuid4().hex, list(params.input_ids), replace(params.sampling, max_new_tokens=0)
+        )
+        samples = [
+            EngineRequest(uuid.uuid4().hex, list(params.input_ids), params.sampling) for _ in range(params.n)
+        ]
+        return samples, asyncio.create_task(scheduler.submit_group(prefill, samples))
+
+    async def abort_all_of(requests: list[EngineRequest]) -> None:
+        for engine_request in requests:  # each of a group's generators aborts its own rid
+            await scheduler.abort(engine_request.rid, "Abort: the client disconnected.")
+
+    async def run(params: GenerateParams, http: Request | None) -> list[EngineRequest]:
+        """Schedule the request(s); a client that disconnects aborts them (as SGLang does)."""
         if delay_s > 0:
             await asyncio.sleep(delay_s)
-        engine_request = EngineRequest(params.rid, list(params.input_ids), params.sampling)
-        task = asyncio.create_task(scheduler.submit(engine_request))
+        requests, task = start(params)
         while http is not None and not task.done():
             await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
             if not task.done() and await http.is_disconnected():
-                await scheduler.abort(params.rid, "Abort: the client disconnected.")
+                await abort_all_of(requests)
                 break
-        return await task
+        await task
+        return requests
+
+    async def sample_chunks(params: GenerateParams, engine_request: EngineRequest) -> AsyncGenerator[dict]:
+        """One request's streamed answers: one per token with the cumulative text and ids, as SGLang
+        streams by default; a chunk is made once the next step is known, so the last carries the finish."""
+        pending: int | None = None
+        while True:
+            count = await engine_request.steps.get()
+            if pending is not None:
+                view = copy.copy(engine_request)
+                view.output_ids = engine_request.output_ids[:pending]
+                view.finish = engine_request.finish if count is None else None
+                yield generate_answer(params, view, tokenizer, scheduler.weight_version)
+            elif count is None:  # ended before its first token
+                yield generate_answer(params, engine_request, tokenizer, scheduler.weight_version)
+            if count is None:
+                return
+            pending = count
 
     @app.post("/generate")
     async def generate_endpoint(request: Request) -> Response:
         params = parse_generate_request(await read_json(request), tokenizer, eos_token_id, context_length)
         if not params.stream:
             done = await run(params, request)
-            return _json_response(generate_answer(params, done, tokenizer, scheduler.weight_version))
+            answers = [generate_answer(params, r, tokenizer, scheduler.weight_version) for r in done]
+            # _collect_batch_responses: a group answers the list of its samples' results, in order.
+            return _json_response(answers if params.parallel else answers[0])
 
         async def chunks() -> AsyncIterator[bytes]:
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
-            engine_request = EngineRequest(params.rid, list(params.input_ids), params.sampling)
-            task = asyncio.create_task(scheduler.submit(engine_request))
+            requests, task = start(params)
             try:
-                # One chunk per token with the cumulative text and ids, as SGLang streams by default;
-                # a chunk is sent once the next step is known, so the last one carries the finish.
-                pending: int | None = None
-                while True:
-                    count = await engine_request.steps.get()
-                    if pending is not None:
-                        view = copy.copy(engine_request)
-                        view.output_ids = engine_request.output_ids[:pending]
-                        view.finish = engine_request.finish if count is None else None
-                        yield _sse(generate_answer(params, view, tokenizer, scheduler.weight_version))
-                    elif count is None:  # ended before its first token
-                        yield _sse(
-                            generate_answer(params, engine_request, tokenizer, scheduler.weight_version)
-                        )
-                    if count is None:
-                        break
-                    pending = count
+                if not params.parallel:
+                    async for answer in sample_chunks(params, requests[0]):
+                        yield _sse(answer)
+                else:
+                    streams = [sample_chunks(params, r) for r in requests]
+                    async for index, answer in _merge_streams(streams):
+                        # _stream_batch_responses: each chunk names its sample's place in the group
+                        yield _sse({**answer, "index": index})
                 yield b"data: [DONE]\n\n"
             finally:
                 if not task.done():  # the client went away: abort, as SGLang does
-                    await scheduler.abort(params.rid, "Abort: the client disconnected.")
+                    await abort_all_of(requests)
                     task.cancel()
 
         return StreamingResponse(chunks(), media_type="text/event-stream")
@@ -388,7 +456,7 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         params, want_logprobs = parse_chat_request(await read_json(request), tokenizer, eos_token_id)
-        done = await run(params, request)
+        (done,) = await run(params, request)
         return _json_response(chat_answer(params, done, want_logprobs, tokenizer, model_name))
 
     async def health_generation() -> Response:
