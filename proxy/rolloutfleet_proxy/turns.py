@@ -407,7 +407,7 @@ class TurnService:
                     first = [await self._upstream.generate(prompt, sampling, session.session_id, f"{rid}-0")]
                 else:
                     first = await self._upstream.generate_samples(
-                        prompt, sampling, session.session_id, f"{rid}-0", n
+                        prompt, sampling, n, session.session_id, f"{rid}-0"
                     )
             finally:
                 self._generation.leave()

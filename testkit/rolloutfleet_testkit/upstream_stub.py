@@ -42,6 +42,14 @@ def reply_logprobs(count: int) -> list[float]:
     return [-0.01 * (i + 1) for i in range(count)]
 
 
+def parallel_samples(body: object) -> int:
+    """How many samples a request asks for: SGLang reads `sampling_params.n` and turns a single
+    prompt into a group of that many when it is above 1 (GenerateReqInput._handle_parallel_sampling)."""
+    sampling_params = body.get("sampling_params") if isinstance(body, dict) else None
+    n = sampling_params.get("n", 1) if isinstance(sampling_params, dict) else 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+
+
 def stub_answer(
     body: object, output_tokens: int, token_id: int, latency_s: float, ruled: RuledReplies | None = None
 ) -> dict:
@@ -142,16 +150,23 @@ class UpstreamStub:
     async def _generate(self, raw: bytes, send) -> None:
         try:
             body = orjson.loads(raw)
-            answer = stub_answer(body, self.output_tokens, self.token_id, self.latency_s, self.ruled)
+            samples = parallel_samples(body)
+            answers = [
+                stub_answer(body, self.output_tokens, self.token_id, self.latency_s, self.ruled)
+                for _ in range(samples)
+            ]
         except (orjson.JSONDecodeError, ValueError) as exc:
             await send_json(send, 400, {"error": {"message": str(exc)}})
             return
         started = time.perf_counter()
         if self.latency_s > 0:
             await asyncio.sleep(self.latency_s)
-        answer["meta_info"]["e2e_latency"] = time.perf_counter() - started
+        for answer in answers:
+            answer["meta_info"]["e2e_latency"] = time.perf_counter() - started
         self.requests += 1
-        await send_json(send, 200, answer)
+        # SGLang answers a group (n > 1) with the list of its samples in order
+        # (TokenizerManager._collect_batch_responses), a single request with one object.
+        await send_json(send, 200, answers if samples > 1 else answers[0])
 
 
 def create_app(

@@ -355,3 +355,48 @@ def test_the_branch_limit_refuses_more_and_keeps_the_session(family, family_toke
         agent.turn([*first, user("More?")], "More on one.", tools=None)
         assert agent.summary()["num_branches"] == 2
         assert httpx.get(f"{proxy.url}/v1/sessions", headers=ADMIN).status_code == 200
+
+
+def test_a_group_of_four_then_choice_3_goes_on(stand):
+    history = [SYSTEM, user("Write a haiku about rain.")]
+    history.append(stand.turn(history, "Soft rain on the roof."))
+    history.append(user("Four more, please."))
+    contents = [f"Variant {i}: drops on leaves, take {i}." for i in range(4)]
+    samples = [stand.reply_ids(c, f"variant {i}") for i, c in enumerate(contents)]
+    stand.upstream.script(*samples)
+    before = len(stand.upstream.prompts)
+    body = {"model": "m", "messages": history, "tools": TOOLS, "max_tokens": 256, "temperature": 1.0, "n": 4}
+    response = stand.client.chat.completions.create(**body)
+    assert len(stand.upstream.prompts) == before + 4  # one engine call; the stand-in rules each sample
+    expected = reference_ids(stand.tokenizer, stand.family, history, stand.outputs_of(history), TOOLS)
+    assert stand.upstream.prompts[-1] == expected
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert [c.message.content.strip() for c in response.choices] == contents
+    turns = response.model_extra["rolloutfleet"]["turns"]
+    assert turns == [1, 2, 3, 4]
+    for turn, ids in zip(turns, samples, strict=True):
+        stand.recorded[turn] = (expected, ids)
+    # The whole group again (a retry): all four choices from the record.
+    again = httpx.post(
+        f"{stand.base_url}/chat/completions", json=body, headers={"Authorization": f"Bearer {stand.key}"}
+    )
+    assert again.headers["Idempotent-Replayed"] == "true"
+    assert [c["message"]["content"].strip() for c in again.json()["choices"]] == contents
+    # Continue choice 3 (index 2): its message, then a new question.
+    chosen = response.choices[2].message.model_dump(exclude_none=True)
+    stand.generated[stand._key(chosen)] = samples[2]
+    follow = [*history, chosen, user("Translate it to French.")]
+    stand.turn(follow, "Gouttes sur les feuilles.")
+    session = stand.summary()
+    assert session["num_turns"] == 6 and session["num_branches"] == 4
+    assert session["trajectory"]["path"] == [0, 3, 5]
+    # Stored once: the prompt up to the group and the group's prompt, each sample's output, then
+    # only what turn 5 added after choice 3.
+    prompt5, output5 = stand.recorded[5]
+    added_by_5 = len(prompt5) - len(expected) - len(samples[2]) + len(output5)
+    assert session["num_tokens"] == len(expected) + sum(len(ids) for ids in samples) + added_by_5
+    leaves = stand.export("leaves")
+    assert [s["sample"]["turn"] for s in leaves] == [1, 2, 4, 5]
+    assert {s["sample"]["call"] for s in leaves[:3]} == {1}  # one group: one call
+    for sample in leaves:
+        stand.check_sample(sample, only_turn=False)

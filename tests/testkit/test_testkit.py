@@ -511,3 +511,16 @@ def test_stub_cli_serves_with_uvloop():
         answer = httpx.post(f"{url}/generate", json={"input_ids": [1]}, timeout=10).json()
         assert answer["output_ids"] == [42] * 3
         assert wait_http_ok(f"{url}/stats").json() == {"requests": 1}
+
+
+def test_the_cache_lock_excludes_a_second_holder_until_released(tmp_path, monkeypatch):
+    import fcntl
+
+    from rolloutfleet_testkit.cache import exclusive
+
+    monkeypatch.setenv("ROLLOUTFLEET_CACHE", str(tmp_path))
+    with exclusive("prepare"), open(tmp_path / "prepare.lock") as other:
+        with pytest.raises(BlockingIOError):  # what a second `prepare` meets: it waits
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    with open(tmp_path / "prepare.lock") as other:
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: taken at once

@@ -64,7 +64,10 @@ DEFAULT_IMAGES = ("proxy", "operator", "sglang-router", "testkit", "sglang-emula
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "prepare":
-        prepare(args.images if args.images is not None else list(DEFAULT_IMAGES))
+        from rolloutfleet_testkit.cache import exclusive
+
+        with exclusive("prepare"):
+            prepare(args.images if args.images is not None else list(DEFAULT_IMAGES))
     elif args.command == "up":
         cluster = up(args.dir, timeout_s=args.timeout)
         if args.images:
