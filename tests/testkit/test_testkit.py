@@ -519,8 +519,8 @@ def test_the_cache_lock_excludes_a_second_holder_until_released(tmp_path, monkey
     from rolloutfleet_testkit.cache import exclusive
 
     monkeypatch.setenv("ROLLOUTFLEET_CACHE", str(tmp_path))
-    with exclusive("prepare"), open(tmp_path / "prepare.lock") as other:
-        with pytest.raises(BlockingIOError):  # what a second `prepare` meets: it waits
-            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    # What a second `prepare` meets while the first holds the lock: it waits.
+    with exclusive("prepare"), open(tmp_path / "prepare.lock") as other, pytest.raises(BlockingIOError):
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
     with open(tmp_path / "prepare.lock") as other:
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: taken at once
