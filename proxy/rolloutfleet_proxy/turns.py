@@ -131,6 +131,7 @@ def call_parameters(request: ChatRequest) -> dict:
         "sampling": request.sampling_params,
         "n": request.n,
         "tools": request.tools.tools if request.tools else None,
+        "tool_choice": request.tools.choice if request.tools else None,
         "template": request.template_kwargs,
     }
 

@@ -188,3 +188,33 @@ def test_from_fleet_status_takes_the_ready_proxies_of_the_fleet():
         assert len(client.proxy_urls) == 2
     with pytest.raises(ValueError, match="no proxyEndpoints"):
         TrainerClient.from_fleet_status({"status": {"proxyEndpoints": []}}, ADMIN_KEY)
+
+
+def test_a_group_exports_one_row_per_choice_sharing_a_group_id(fleet):
+    """n = 3 then a continuation of a choice: exported per leaf, each leaf is a row of to_torch, the
+    group's rows share a group id, the continued choice's row is its own group with its own turn."""
+    proxy = fleet[0]
+    sid, key = proxy.create_session()
+    chat = f"{proxy.url}/v1/sessions/{sid}/chat/completions"
+    auth = {"Authorization": f"Bearer {key}"}
+    first = [{"role": "user", "content": "pick one"}]
+    group = httpx.post(chat, headers=auth, json={"messages": first, "max_tokens": 4, "n": 3}).json()
+    assert group["rolloutfleet"]["turns"] == [0, 1, 2]
+    follow = [*first, group["choices"][1]["message"], {"role": "user", "content": "more"}]
+    assert httpx.post(chat, headers=auth, json={"messages": follow, "max_tokens": 4}).status_code == 200
+    httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", headers=auth, json={"reward": 0.5, "turn": 0})
+    assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/finish", headers=auth).is_success
+    with TrainerClient(proxy.url, ADMIN_KEY) as client:
+        batches = client.pull(1, samples="leaves")
+        assert [b.num_sessions for b in batches] == [1]
+        infos = [info for b in batches for info in b.trajectories()]
+        # The stand-in answers every choice alike, so the continuation goes after the latest of the
+        # identical replies (choice 2): leaves are choices 0 and 1 and turn 3.
+        assert [i["sample"]["turn"] for i in infos] == [0, 1, 3]
+        assert infos[2]["sample"]["path"] == [2, 3]
+        tensors = to_torch(batches)
+        assert tensors["group_ids"].tolist() == [0, 0, 1]
+        assert tensors["rewards"][0].item() == 0.5 and tensors["rewards"][1].isnan()
+        assert tensors["loss_mask"][2].sum().item() == 8  # choice 1's output and turn 3's
+        assert tensors["loss_mask"][0].sum().item() == 4
+        assert client.ack(batches) == {b.batch_id: True for b in batches}

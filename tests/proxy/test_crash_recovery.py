@@ -83,6 +83,8 @@ async def rollouts(url: str, ledger: dict[str, Delivered], rng: random.Random) -
                         {"role": "user", "content": f"{sid} turn {turn} " + "x" * rng.randint(0, 200)}
                     )
                     body = chat_body(list(messages), max_tokens=rng.randint(2, 12), logprobs=True)
+                    if rng.random() < 0.15:
+                        body["n"] = 2  # a group: two sibling branches from one engine call
                 idempotency_key = f"{sid}-{turn}"
                 reply = await client.post(
                     f"/v1/sessions/{sid}/chat/completions",
@@ -92,10 +94,12 @@ async def rollouts(url: str, ledger: dict[str, Delivered], rng: random.Random) -
                 if reply.status_code != 200:
                     return
                 delivered.turns.append(DeliveredTurn(body, idempotency_key, reply.content))
+                choices = reply.json()["choices"]
+                chosen = rng.choice(choices)["message"]  # a group goes on with one of its choices
                 if "regenerate" not in body:
-                    messages.append(reply.json()["choices"][0]["message"])
+                    messages.append(chosen)
                 else:
-                    messages[-1] = reply.json()["choices"][0]["message"]
+                    messages[-1] = chosen
             if rng.random() < 0.5:
                 value = round(rng.uniform(-1, 1), 3)
                 if (
@@ -146,8 +150,10 @@ def check_ledger(url: str, ledger: dict[str, Delivered]) -> int:
             )
             assert got.status_code == 200, (sid, got.text)
             data = got.json()
-            # One more turn than delivered is allowed: recorded and durable, the kill beat the reply.
-            assert len(delivered.turns) <= data["num_turns"] <= len(delivered.turns) + 1, sid
+            # One more call than delivered is allowed (a group's: two turns): recorded and durable, the
+            # kill beat the reply.
+            recorded = sum(turn.body.get("n", 1) for turn in delivered.turns)
+            assert recorded <= data["num_turns"] <= recorded + 2, sid
             for index, turn in enumerate(delivered.turns):
                 again = client.post(
                     f"/v1/sessions/{sid}/chat/completions",

@@ -300,5 +300,9 @@ async def test_generate_samples_through_the_real_router(test_tokenizer_dir, toke
             after = [(await _stats(client, url))["cached_tokens"] for url in engines]
     assert len(samples) == 3
     _check_group(samples, prompt, tokenizer, 1.0)
-    # The whole group ran on one engine (the router's health probes, one token of input, match nothing).
-    assert sorted(a - b for a, b in zip(after, before, strict=True)) == [0, 3 * (len(prompt) - 1)]
+    # The whole group ran on one engine: each sample found the prompt cached (all but its last token,
+    # SGLang's cap), and the group's prefill-only request may have found the start of it cached by an
+    # earlier health probe of the router there (which depends on timing). The router's one-token
+    # health probes never report cached tokens themselves, so the other engine gained none.
+    idle, busy = sorted(a - b for a, b in zip(after, before, strict=True))
+    assert idle == 0 and 3 * (len(prompt) - 1) <= busy <= 4 * (len(prompt) - 1)

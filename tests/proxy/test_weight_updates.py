@@ -173,7 +173,10 @@ class AbortingUpstream:
         }
         if finish["type"] == "abort":
             self.weight_version = self.updated_version
-        await send_json(send, 200, {"text": "", "output_ids": ids, "meta_info": meta})
+        answer = {"text": "", "output_ids": ids, "meta_info": meta}
+        samples = body["sampling_params"].get("n", 1)
+        # A group (n > 1) is answered as SGLang does, a list of its samples; a pause aborts them all.
+        await send_json(send, 200, [answer] * samples if samples > 1 else answer)
 
 
 def _turn(proxy, sid, key, max_tokens=8) -> httpx.Response:
@@ -208,6 +211,35 @@ def test_an_aborted_generation_is_continued_into_one_turn_with_its_versions(test
         ]
         totals = proxy.stats()["totals"]
         assert totals["turns_continued"] == 1 and totals["generated_tokens_continued"] == 3
+        assert totals["generated_tokens_discarded"] == 0
+
+
+def test_every_aborted_sample_of_a_group_is_continued_on_its_own(test_tokenizer_dir):
+    upstream = AbortingUpstream(partial=3, updated_version="4")
+    upstream.abort_next = 1  # the group's one request: both samples come back aborted
+    with serve_app(upstream) as url, running_proxy(url, test_tokenizer_dir, None) as proxy:
+        sid, key = proxy.create_session()
+        response = httpx.post(
+            f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 8, "n": 2},
+            timeout=30,
+        )
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 2
+        assert response.json()["usage"]["completion_tokens"] == 16
+        group, *continuations = upstream.requests
+        assert group["sampling_params"]["n"] == 2 and len(continuations) == 2
+        for resent in continuations:
+            assert "n" not in resent["sampling_params"]
+            assert resent["input_ids"] == group["input_ids"] + [100, 101, 102]
+            assert resent["sampling_params"]["max_new_tokens"] == 5
+        session = proxy.get(sid, key).json()
+        assert session["num_turns"] == 2 and session["num_branches"] == 2
+        versions = session["trajectory"]["versions"]
+        assert versions[-8:] == [3, 3, 3, 4, 4, 4, 4, 4]
+        totals = proxy.stats()["totals"]
+        assert totals["turns_continued"] == 2 and totals["generated_tokens_continued"] == 6
         assert totals["generated_tokens_discarded"] == 0
 
 
