@@ -58,18 +58,48 @@ def _format_time(moment: datetime.datetime) -> str:
     return moment.astimezone(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def lease_action(lease: Mapping[str, Any] | None, identity: str, now: datetime.datetime) -> Action:
-    """What a replica does with the Lease as read: create it, take it over (expired or released),
-    renew its own, or wait for another holder's to expire. Pure."""
+@dataclass(frozen=True)
+class Observation:
+    """The Lease record as this replica last read it, and when (its own monotonic clock) it first
+    read that record. Expiry is timed from there, as client-go does: never by comparing this
+    machine's clock with the holder's renewTime, so clock skew cannot steal a live Lease."""
+
+    record: tuple[str | None, str | None, str | None]  # holder, renewTime, resourceVersion
+    since: float
+
+
+def observe(lease: Mapping[str, Any] | None, previous: Observation | None, now: float) -> Observation | None:
+    """The observation after reading `lease` at `now`: the previous one while the record is unchanged.
+    Pure."""
+    if lease is None:
+        return None
+    spec = lease.get("spec") or {}
+    record = (
+        spec.get("holderIdentity"),
+        spec.get("renewTime"),
+        (lease.get("metadata") or {}).get("resourceVersion"),
+    )
+    if previous is not None and previous.record == record:
+        return previous
+    return Observation(record, now)
+
+
+def lease_action(
+    lease: Mapping[str, Any] | None, identity: str, observed: Observation | None, now: float
+) -> Action:
+    """What a replica does with the Lease as read (and observed since `observed.since`): create it,
+    take it over (released, or unchanged for a whole lease duration of this replica's own clock),
+    renew its own, or wait. Pure."""
     if lease is None:
         return "create"
     spec = lease.get("spec") or {}
     holder = spec.get("holderIdentity")
     if holder == identity:
         return "renew"
-    renewed = _parse_time(spec.get("renewTime"))
+    if not holder:
+        return "take"
     duration = spec.get("leaseDurationSeconds") or 0
-    if not holder or renewed is None or now >= renewed + datetime.timedelta(seconds=duration):
+    if observed is not None and now - observed.since >= duration:
         return "take"
     return "wait"
 
@@ -91,31 +121,78 @@ def lease_spec(
     return spec
 
 
-def try_to_lead(api: KubeApi, election: Election, now: datetime.datetime) -> bool:
-    """One attempt: True when this replica holds the Lease afterwards. Writes carry the read
-    resourceVersion, so of two replicas taking an expired Lease at once only one succeeds."""
-    lease = api.get(election.path)
-    action = lease_action(lease, election.identity, now)
-    if action == "wait":
-        return False
-    spec = lease_spec(election, now, lease, action)
-    try:
-        if action == "create":
-            body = {
-                "apiVersion": "coordination.k8s.io/v1",
-                "kind": "Lease",
-                "metadata": {"name": election.name, "namespace": election.namespace},
-                "spec": spec,
-            }
-            return api.create(election.collection, body) is not None
-        assert lease is not None
-        body = {**lease, "spec": spec}  # metadata.resourceVersion makes the update conditional
-        api.request("PUT", election.path, body=body)
-        return True
-    except ApiException as exc:
-        if exc.status == 409:  # another replica wrote first
+def released_spec(previous: Mapping[str, Any], now: datetime.datetime) -> dict[str, Any]:
+    """The Lease's spec given up by its holder (client-go's ReleaseOnCancel): no holder, so a standby
+    takes it at its next try instead of waiting out the lease. Pure."""
+    spec = dict(previous.get("spec") or {})
+    spec.pop("holderIdentity", None)
+    spec.update(leaseDurationSeconds=1, renewTime=_format_time(now))
+    return spec
+
+
+class LeaseClient:
+    """One replica's I/O on the Lease: every call bounded by the time it is given."""
+
+    def __init__(self, api: KubeApi, election: Election):
+        self.api, self.election = api, election
+        self.observed: Observation | None = None
+
+    def read(self, timeout_s: float) -> dict | None:
+        try:
+            return self.api.request("GET", self.election.path, timeout=timeout_s)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def try_to_lead(self, timeout_s: float) -> bool:
+        """One attempt: True when this replica holds the Lease afterwards. Writes carry the read
+        resourceVersion, so of two replicas taking an expired Lease at once only one succeeds."""
+        election = self.election
+        lease = self.read(timeout_s)
+        self.observed = observe(lease, self.observed, time.monotonic())
+        action = lease_action(lease, election.identity, self.observed, time.monotonic())
+        if action == "wait":
             return False
-        raise
+        spec = lease_spec(election, datetime.datetime.now(datetime.UTC), lease, action)
+        try:
+            if action == "create":
+                body = {
+                    "apiVersion": "coordination.k8s.io/v1",
+                    "kind": "Lease",
+                    "metadata": {"name": election.name, "namespace": election.namespace},
+                    "spec": spec,
+                }
+                try:
+                    self.api.request("POST", election.collection, body=body, timeout=timeout_s)
+                    return True
+                except ApiException as exc:
+                    if exc.status == 409:  # created by another replica first
+                        return False
+                    raise
+            assert lease is not None
+            body = {**lease, "spec": spec}  # metadata.resourceVersion makes the update conditional
+            self.api.request("PUT", election.path, body=body, timeout=timeout_s)
+            return True
+        except ApiException as exc:
+            if exc.status == 409:  # another replica wrote first
+                return False
+            raise
+
+    def release(self, timeout_s: float = 5.0) -> bool:
+        """Give the Lease up if this replica holds it; True when it was released."""
+        lease = self.read(timeout_s)
+        if lease is None or (lease.get("spec") or {}).get("holderIdentity") != self.election.identity:
+            return False
+        body = {**lease, "spec": released_spec(lease, datetime.datetime.now(datetime.UTC))}
+        try:
+            self.api.request("PUT", self.election.path, body=body, timeout=timeout_s)
+        except ApiException as exc:
+            if exc.status == 409:  # changed meanwhile: not ours to release any more
+                return False
+            raise
+        log.info("%s released the Lease %s", self.election.identity, self.election.name)
+        return True
 
 
 class _ReusingServer(ThreadingHTTPServer):
@@ -148,15 +225,13 @@ class StandbyHealth:
         self.server.server_close()
 
 
-def wait_for_leadership(
-    api: KubeApi, election: Election, clock: Callable[[], datetime.datetime] | None = None
-) -> None:
+def wait_for_leadership(lease: LeaseClient) -> None:
     """Block until this replica holds the Lease."""
-    clock = clock or (lambda: datetime.datetime.now(datetime.UTC))
+    election = lease.election
     announced = False
     while True:
         try:
-            if try_to_lead(api, election, clock()):
+            if lease.try_to_lead(timeout_s=election.retry_every_s * 5):
                 log.info("%s leads (Lease %s/%s)", election.identity, election.namespace, election.name)
                 return
         except Exception as exc:  # the API server may be briefly unreachable: keep trying
@@ -167,32 +242,50 @@ def wait_for_leadership(
         time.sleep(election.retry_every_s)
 
 
-def keep_leadership(
-    api: KubeApi, election: Election, on_lost: Callable[[], None] | None = None
-) -> threading.Thread:
-    """Renew the Lease in the background. If it cannot be renewed before another replica could take
-    it (two thirds of its duration), `on_lost` runs: by default the process exits, so the replica
-    never acts without the Lease; its container restarts as a standby."""
-    on_lost = on_lost or (lambda: os._exit(1))
-    deadline_s = election.lease_duration_s * 2 / 3
+class Leadership:
+    """The held Lease, renewed in the background. If it cannot be renewed before another replica
+    could take it (two thirds of its duration, timed on this replica's monotonic clock), `on_lost`
+    runs at once: by default the process exits, so every loop of this operator stops and the replica
+    never acts without the Lease; its container restarts as a standby. Every renewal is bounded by
+    the time left before that deadline, so a stalled API connection cannot hold it past it."""
 
-    def renew() -> None:
+    def __init__(self, lease: LeaseClient, on_lost: Callable[[], None] | None = None):
+        self.lease = lease
+        self.on_lost = on_lost or (lambda: os._exit(1))
+        self.deadline_s = lease.election.lease_duration_s * 2 / 3
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._renew, name="lease-renewal", daemon=True)
+
+    def start(self) -> Leadership:
+        self.thread.start()
+        return self
+
+    def _renew(self) -> None:
+        election = self.lease.election
         last = time.monotonic()
-        while True:
-            time.sleep(election.renew_every_s)
+        while not self._stop.wait(election.renew_every_s):
+            left = self.deadline_s - (time.monotonic() - last)
             try:
-                if try_to_lead(api, election, datetime.datetime.now(datetime.UTC)):
+                if left > 0 and self.lease.try_to_lead(timeout_s=left):
                     last = time.monotonic()
                     continue
-                log.error("the Lease %s was taken by another replica", election.name)
+                if left > 0:
+                    log.error("the Lease %s was taken by another replica", election.name)
             except Exception as exc:
                 log.warning("renewing the Lease failed: %s", exc)
-                if time.monotonic() - last < deadline_s:
+                if self.deadline_s - (time.monotonic() - last) > 0:
                     continue
+            if self._stop.is_set():
+                return
             log.error("leadership lost: exiting so that only the Lease's holder acts")
-            on_lost()
+            self.on_lost()
             return
 
-    thread = threading.Thread(target=renew, name="lease-renewal", daemon=True)
-    thread.start()
-    return thread
+    def release(self) -> None:
+        """Stop renewing and give the Lease up (shutdown): a standby takes over at once."""
+        self._stop.set()
+        self.thread.join(timeout=self.lease.election.renew_every_s + self.deadline_s)
+        try:
+            self.lease.release()
+        except Exception as exc:  # shutting down anyway: the Lease then expires on its own
+            log.warning("releasing the Lease failed: %s", exc)

@@ -18,7 +18,7 @@ from . import metrics
 from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER
 from .fleet_loop import FleetLoops
 from .kubeapi import KubeApi, fleet_path, load_configuration
-from .leadership import Election, StandbyHealth, keep_leadership, wait_for_leadership
+from .leadership import Election, Leadership, LeaseClient, StandbyHealth, wait_for_leadership
 from .memory_watchdog import FleetWatchdog
 from .plan import is_ready, pod_event_needs_pass
 from .reconcile import Reconciler
@@ -173,28 +173,31 @@ def main(argv: list[str] | None = None) -> int:
     _static_namespaces = not args.all_namespaces
     port = metrics.serve(args.metrics_port, args.bind_address)
     log.info("serving /metrics on %s:%d", args.bind_address, port)
-    if args.leader_election:
-        lead(args)
-    kopf.run(
-        standalone=True,
-        clusterwide=args.all_namespaces,
-        namespaces=args.namespace or (),  # kopf reads only its truth: () as None
-        liveness_endpoint=f"http://{args.bind_address}:{args.health_port}/healthz",
-    )
+    leadership = lead(args) if args.leader_election else None
+    try:
+        kopf.run(
+            standalone=True,
+            clusterwide=args.all_namespaces,
+            namespaces=args.namespace or (),  # kopf reads only its truth: () as None
+            liveness_endpoint=f"http://{args.bind_address}:{args.health_port}/healthz",
+        )
+    finally:
+        if leadership is not None:  # stopped (SIGTERM): hand the Lease over instead of letting it expire
+            leadership.release()
     return 0
 
 
-def lead(args: argparse.Namespace) -> None:
+def lead(args: argparse.Namespace) -> Leadership:
     """Block until this replica holds the Lease (answering health probes meanwhile), then keep it."""
     namespace = args.leader_election_namespace or os.environ.get("POD_NAMESPACE")
     if not namespace:
         raise SystemExit("--leader-election needs --leader-election-namespace or POD_NAMESPACE")
     identity = os.environ.get("POD_NAME") or socket.gethostname()
     election = Election(namespace=namespace, name=args.leader_election_id, identity=identity)
-    api = KubeApi(load_configuration(None))
+    lease = LeaseClient(KubeApi(load_configuration(None)), election)
     standby = StandbyHealth(args.bind_address, args.health_port)
     try:
-        wait_for_leadership(api, election)
+        wait_for_leadership(lease)
     finally:
         standby.close()
-    keep_leadership(api, election)
+    return Leadership(lease).start()

@@ -1,7 +1,8 @@
 """Two operator replicas from the chart (`replicaCount: 2`): one holds the Lease and acts, the other
 waits as a healthy standby; when the leader is killed, another replica (the standby, or the
 killed one's replacement) takes the Lease over once it expires and keeps the fleet true (a
-scale-up after the kill is carried out)."""
+scale-up after the kill is carried out); a leader stopped gracefully releases the Lease, and the
+other replica takes it within seconds."""
 
 from __future__ import annotations
 
@@ -77,3 +78,18 @@ def test_the_standby_takes_over_when_the_leader_is_killed(cluster, test_tokenize
             "spec"
         ]
         assert lease["leaseTransitions"] >= 1 and lease["holderIdentity"] == successor
+
+        # A graceful stop (SIGTERM, as a rollout or a drain sends) releases the Lease on the way out:
+        # the other replica takes it at its next try (every 2 s), not after the Lease's 15 s.
+        wait_for(lambda: len(operator_pods(cluster)) == 2, timeout_s=120, what="two replicas again")
+        stopped_at = time.monotonic()
+        cluster.kubectl("delete", "pod", successor, "-n", NAMESPACE, "--wait=false")
+        third = wait_for(
+            lambda: (name := holder(cluster)) not in (None, successor) and name,
+            timeout_s=60,
+            what="a replica to take the released Lease",
+            interval_s=0.2,
+        )
+        handover_s = time.monotonic() - stopped_at
+        print(f"[ha] {third} holds the Lease {handover_s:.1f}s after the leader was stopped gracefully")
+        assert handover_s < 10, handover_s

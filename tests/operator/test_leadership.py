@@ -4,42 +4,99 @@ endpoint; the Lease against a real API server and a killed leader are in tests/e
 from __future__ import annotations
 
 import datetime
+import threading
+import time
 
 import httpx
 import pytest
-from rolloutfleet_operator.leadership import Election, StandbyHealth, lease_action, lease_spec
+from rolloutfleet_operator.leadership import (
+    Election,
+    Leadership,
+    LeaseClient,
+    StandbyHealth,
+    lease_action,
+    lease_spec,
+    observe,
+    released_spec,
+)
 from rolloutfleet_testkit.processes import free_port
 
 NOW = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
 ELECTION = Election(namespace="ops", name="rolloutfleet-operator", identity="op-a", lease_duration_s=15)
 
 
-def lease(holder: str | None, renewed_s_ago: float | None, duration: int = 15) -> dict:
-    spec: dict = {"leaseDurationSeconds": duration}
+def lease(
+    holder: str | None, renewed: str | None = "2026-01-01T11:00:00.000000Z", version: str = "7"
+) -> dict:
+    """A Lease as read. Its renewTime is the holder's clock, never compared with ours: far in the
+    past here on purpose (a holder whose clock lags by an hour still holds a live Lease)."""
+    spec: dict = {"leaseDurationSeconds": 15}
     if holder is not None:
         spec["holderIdentity"] = holder
-    if renewed_s_ago is not None:
-        spec["renewTime"] = (NOW - datetime.timedelta(seconds=renewed_s_ago)).strftime(
-            "%Y-%m-%dT%H:%M:%S.%fZ"
-        )
-    return {"metadata": {"resourceVersion": "7"}, "spec": spec}
+    if renewed is not None:
+        spec["renewTime"] = renewed
+    return {"metadata": {"resourceVersion": version}, "spec": spec}
+
+
+def seen(current: dict | None, seconds_ago: float, now: float = 1000.0):
+    return observe(current, None, now - seconds_ago)
 
 
 @pytest.mark.parametrize(
-    ("current", "action"),
+    ("current", "seen_s_ago", "action"),
     [
-        (None, "create"),
-        (lease("op-a", 3), "renew"),
-        (lease("op-a", 60), "renew"),  # our own, even late: renewing it is still ours to do
-        (lease("op-b", 3), "wait"),
-        (lease("op-b", 14.9), "wait"),
-        (lease("op-b", 15), "take"),  # expired
-        (lease(None, 3), "take"),  # released
-        (lease("op-b", None), "take"),  # never renewed
+        (None, 0, "create"),
+        (lease("op-a"), 3, "renew"),
+        (lease("op-a"), 60, "renew"),  # our own, even late: renewing it is still ours to do
+        (lease("op-b"), 0, "wait"),  # first read: however old its renewTime looks, it may be live
+        (lease("op-b"), 14.9, "wait"),
+        (lease("op-b"), 15, "take"),  # unchanged for a whole lease duration on our own clock
+        (lease(None), 0, "take"),  # released
     ],
 )
-def test_lease_action(current, action):
-    assert lease_action(current, "op-a", NOW) == action
+def test_lease_action_times_expiry_on_this_replicas_clock(current, seen_s_ago, action):
+    assert lease_action(current, "op-a", seen(current, seen_s_ago), 1000.0) == action
+
+
+def test_a_renewed_lease_restarts_the_wait():
+    first = observe(lease("op-b", version="7"), None, 100.0)
+    assert observe(lease("op-b", version="7"), first, 110.0) is first  # unchanged: the wait goes on
+    renewed = observe(lease("op-b", "2026-01-01T11:00:05.000000Z", version="8"), first, 116.0)
+    assert renewed is not None and renewed.since == 116.0
+    assert lease_action(lease("op-b", version="8"), "op-a", renewed, 117.0) == "wait"
+    assert lease_action(lease("op-b", version="7"), "op-a", first, 117.0) == "take"
+
+
+def test_a_released_lease_has_no_holder_and_a_short_duration():
+    released = released_spec(lease("op-a"), NOW)
+    assert "holderIdentity" not in released and released["leaseDurationSeconds"] == 1
+    assert released["renewTime"] == "2026-01-01T12:00:00.000000Z"
+
+
+class StalledApi:
+    """An API server connection that hangs: every call blocks as long as its timeout allows."""
+
+    def __init__(self):
+        self.timeouts: list[float] = []
+
+    def request(self, method, path, body=None, query=None, content_type=None, timeout=30):
+        self.timeouts.append(timeout)
+        time.sleep(timeout)
+        raise TimeoutError("stalled")
+
+
+def test_a_stalled_renewal_gives_the_lease_up_before_a_standby_could_take_it():
+    election = Election("ops", "lease", "op-a", lease_duration_s=3, renew_every_s=0.3)
+    api = StalledApi()
+    lost = threading.Event()
+    started = time.monotonic()
+    Leadership(LeaseClient(api, election), on_lost=lost.set).start()
+    assert lost.wait(10)
+    elapsed = time.monotonic() - started
+    # Lost by two thirds of the lease (2 s) plus a renew interval, never after the lease (3 s), though
+    # the client's default timeout is 30 s: each call was bounded by the time left.
+    assert elapsed < 3.0, elapsed
+    assert api.timeouts and max(api.timeouts) <= 2.0
 
 
 def test_lease_spec_records_the_holder_and_counts_transitions():
