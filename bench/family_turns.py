@@ -49,7 +49,9 @@ from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import RuledReplies, UpstreamStub
 from transformers import AutoTokenizer
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "proxy"))
+# The conversation the tests drive, and the helpers it imports (tests/ and tests/proxy/).
+for tests in ("tests", "tests/proxy"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / tests))
 from test_family_turns import TOOLS, conversation
 
 PLAIN = "test-tokenizer"

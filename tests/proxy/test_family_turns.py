@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from family_reference import span_after_reply, template_messages
 from openai import OpenAI
 from proxy_harness import running_proxy
 from rolloutfleet_testkit.model_families import FAMILIES, ModelFamily
@@ -43,7 +44,6 @@ TOOLS = [
         },
     },
 ]
-SENTINEL = "rolloutfleetreferencesentinel"
 
 
 def conversation(family: ModelFamily) -> list[tuple[list[dict], tuple]]:
@@ -93,47 +93,6 @@ def stop_ids(tokenizer, family: ModelFamily) -> list[int]:
     return [tokenizer.convert_tokens_to_ids(t) for t in family.stop_tokens]
 
 
-def reference_span(tokenizer, family: ModelFamily, messages: list[dict], last_stop_text: str) -> list[int]:
-    """What follows the model's last reply in the template's rendering of the real conversation: the
-    rest of the template's closing that the model did not write, the new messages, the generation
-    prompt."""
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    reply = messages[last]
-    # The sentinel goes where the template renders the reply last: into its last tool call's
-    # arguments when it has calls (Llama 3.1 renders no content beside a call), else its content.
-    if reply.get("tool_calls"):
-        calls = reply["tool_calls"]
-        last_call = {**calls[-1], "function": {**calls[-1]["function"], "arguments": {"s": SENTINEL}}}
-        reply = {**reply, "tool_calls": [*calls[:-1], last_call]}
-    else:
-        reply = {**reply, "content": SENTINEL}
-    marked = [*messages[:last], reply, *messages[last + 1 :]]
-    text = tokenizer.apply_chat_template(marked, tools=TOOLS, tokenize=False, add_generation_prompt=True)
-    after = text[text.index(SENTINEL) + len(SENTINEL) :]
-    # The template's own rendering of the reply's tool calls comes before its closing text.
-    if family.assistant_end:
-        assert family.assistant_end.startswith(last_stop_text)
-        tail = after[after.index(family.assistant_end) + len(family.assistant_end) :]
-        span = family.assistant_end[len(last_stop_text) :] + tail
-    else:  # no closing text: the model's stop token is the next message's opener (GLM-4.5)
-        span = after[after.index(last_stop_text) + len(last_stop_text) :]
-    return tokenizer.encode(span, add_special_tokens=False)
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    """Messages as a template receives them: tool-call arguments as objects."""
-    out = []
-    for message in messages:
-        message = {k: v for k, v in message.items() if v is not None}
-        if message.get("tool_calls"):
-            message["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                for c in message["tool_calls"]
-            ]
-        out.append(message)
-    return out
-
-
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request) -> ModelFamily:
     return FAMILIES[request.param]
@@ -180,7 +139,8 @@ def test_tool_conversation_is_token_exact(family, family_tokenizer, tmp_path):
                     template_messages(messages), tools=TOOLS, tokenize=True, add_generation_prompt=True
                 )["input_ids"]
             else:
-                expected += reference_span(tokenizer, family, template_messages(messages), last_stop_text)
+                last_reply = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+                expected += span_after_reply(tokenizer, family, messages, last_reply, TOOLS, last_stop_text)
             response = client.chat.completions.create(
                 model="m", messages=messages, tools=TOOLS, max_tokens=256, temperature=1.0
             )

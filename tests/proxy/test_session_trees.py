@@ -14,6 +14,7 @@ import json
 
 import httpx
 import pytest
+from family_reference import span_after_reply, template_messages
 from openai import OpenAI
 from proxy_harness import ADMIN, ADMIN_KEY, running_proxy
 from rolloutfleet_client.trainer import TrainerClient
@@ -22,7 +23,6 @@ from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.scripted_upstream import ScriptedUpstream
 from transformers import AutoTokenizer
 
-SENTINEL = "rolloutfleetreferencesentinel"
 TOOLS = [
     {
         "type": "function",
@@ -55,43 +55,6 @@ def family(request) -> ModelFamily:
 def family_tokenizer(family):
     directory = family.build_cached()
     return directory, AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-
-
-def template_messages(messages: list[dict]) -> list[dict]:
-    out = []
-    for message in messages:
-        message = {k: v for k, v in message.items() if v is not None}
-        if message.get("tool_calls"):
-            message["tool_calls"] = [
-                {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
-                for c in message["tool_calls"]
-            ]
-        out.append(message)
-    return out
-
-
-def span_after_reply(
-    tokenizer, family, messages: list[dict], reply_index: int, tools, stop_text: str
-) -> list[int]:
-    """What the template renders after the model's reply at `reply_index` up to the next reply (or
-    the generation prompt), in the real conversation `messages`, minus the closing the model wrote."""
-    messages = template_messages(messages)
-    following = next(
-        (i for i in range(reply_index + 1, len(messages)) if messages[i]["role"] == "assistant"),
-        len(messages),
-    )
-    reply = messages[reply_index]
-    if reply.get("tool_calls"):
-        calls = reply["tool_calls"]
-        last_call = {**calls[-1], "function": {**calls[-1]["function"], "arguments": {"s": SENTINEL}}}
-        reply = {**reply, "tool_calls": [*calls[:-1], last_call]}
-    else:
-        reply = {**reply, "content": SENTINEL}
-    marked = [*messages[:reply_index], reply, *messages[reply_index + 1 : following]]
-    text = tokenizer.apply_chat_template(marked, tools=tools, tokenize=False, add_generation_prompt=True)
-    after = text[text.index(SENTINEL) + len(SENTINEL) :]
-    tail = after[after.index(family.assistant_end) + len(family.assistant_end) :]
-    return tokenizer.encode(family.assistant_end[len(stop_text) :] + tail, add_special_tokens=False)
 
 
 def reference_ids(tokenizer, family, messages: list[dict], outputs: dict[int, list[int]], tools) -> list[int]:
