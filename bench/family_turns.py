@@ -52,7 +52,7 @@ from transformers import AutoTokenizer
 # The conversation the tests drive, and the helpers it imports (tests/ and tests/proxy/).
 for tests in ("tests", "tests/proxy"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / tests))
-from test_family_turns import TOOLS, conversation
+from test_family_turns import TOOLS, conversation  # noqa: E402 (needs the path above)
 
 PLAIN = "test-tokenizer"
 TURNS = 6
