@@ -201,15 +201,15 @@ class TurnService:
         return NewInput(placement, ids, text, parent, keep, own)
 
     def _replay(self, session: Session, request: ChatRequest, digest: bytes) -> TurnResult | None:
-        """The recorded answer of this request, when it is a retry (or names a used idempotency key)."""
-        call: int | None
+        """The recorded answer of this request when it is a retry: the call its Idempotency-Key
+        names (another request under that key is refused), else, unless a new sample is asked for,
+        the latest call of an equal request."""
+        call: int | None = None
         if request.idempotency_key is not None:
             call = session.idempotency_keys.get(idempotency_key_digest(request.idempotency_key))
             if call is not None and tree.digest_at(session.turn_request_digests, call) != digest:
                 raise IdempotencyKeyReused(session.session_id)
-        elif request.regenerate:
-            return None
-        else:
+        if call is None and not request.regenerate:
             call = tree.latest_call_of(session, digest)
         if call is None or call >= session.committed_turns:
             return None

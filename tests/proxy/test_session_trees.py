@@ -363,3 +363,21 @@ def test_a_group_of_four_then_choice_3_goes_on(stand):
     assert {s["sample"]["call"] for s in leaves[:3]} == {1}  # one group: one call
     for sample in leaves:
         stand.check_sample(sample, only_turn=False)
+
+
+def test_a_resent_regeneration_under_its_key_is_sampled_once(stand):
+    history = [SYSTEM, user("Pick a colour.")]
+    body = {"model": "m", "messages": history, "max_tokens": 32}
+    url = f"{stand.base_url}/chat/completions"
+    auth = {"Authorization": f"Bearer {stand.key}"}
+    stand.upstream.script(stand.reply_ids("Blue."), stand.reply_ids("Green."))
+    first = httpx.post(url, json=body, headers={**auth, "Idempotency-Key": "a"})
+    # The same request under a new key is still the same request: answered from the record.
+    same = httpx.post(url, json=body, headers={**auth, "Idempotency-Key": "b"})
+    assert same.content == first.content and same.headers["Idempotent-Replayed"] == "true"
+    again = {**body, "regenerate": True}
+    regenerated = httpx.post(url, json=again, headers={**auth, "Idempotency-Key": "c"})
+    assert regenerated.json()["choices"][0]["message"]["content"].strip() == "Green."
+    resent = httpx.post(url, json=again, headers={**auth, "Idempotency-Key": "c"})
+    assert resent.content == regenerated.content and resent.headers["Idempotent-Replayed"] == "true"
+    assert stand.summary()["num_turns"] == 2
