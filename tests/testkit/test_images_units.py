@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -243,12 +244,16 @@ def test_pruning_keeps_the_steps_of_the_current_builds_only(tmp_path, monkeypatc
 
     monkeypatch.setattr(build_module, "images_cache", lambda: tmp_path)
     steps = tmp_path / "layers"
-    current, stale = steps / "current", steps / "stale"
-    for step in (current, stale):
+    current, stale, other = steps / "current", steps / "stale", steps / "other-checkout"
+    for step in (current, stale, other):
         (step / "upper").mkdir(parents=True)
         (step / "layer.tar").write_bytes(b"layer")
+    day_ago = time.time() - build_module.PRUNE_UNUSED_FOR_S - 60
+    os.utime(stale, (day_ago, day_ago))
+    # `other` is not the current builds' but was used within the day (another checkout's image, maybe
+    # running): kept. `stale` was not used for a day: removed.
     assert build_module.prune_layers({current}) == [stale]
-    assert current.exists() and not stale.exists()
+    assert current.exists() and other.exists() and not stale.exists()
     assert build_module.prune_layers({current}) == []
 
 
@@ -333,7 +338,7 @@ def test_a_multi_stage_build_keeps_the_last_stage_only(tmp_path, monkeypatch):
     # removes the first build's.
     steps = tmp_path / "cache" / "layers"
     before = set(steps.iterdir())
-    removed = build.prune_layers({layer.parent for layer in changed[1:]})
+    removed = build.prune_layers({layer.parent for layer in changed[1:]}, unused_for_s=0)
     assert {layer.parent for layer in layers[1:]} <= set(removed)
     kept = set(steps.iterdir())
     assert kept == before - set(removed) and len(kept) == len(changed[1:]) + 3  # + WORKDIR and two COPYs
