@@ -20,9 +20,22 @@ from typing import Any
 from .generation import MAX_MODEL_VERSION
 from .upstream import Generation
 
-# A turn aborted more often than this gives up (503, retryable): an engine that aborts every
-# request is broken or shutting down, and each continuation re-sends the whole prompt.
-MAX_CONTINUATIONS = 16
+# Waits between resubmissions of a generation the engine aborted without making a token (its
+# weights are being updated, or it is paused by the trainer): exponential from the first, capped,
+# so a turn notices the engine generating again within about the cap of its resume.
+ABORT_BACKOFF_FIRST_S = 0.05
+ABORT_BACKOFF_CAP_S = 1.0
+
+
+def abort_backoff_s(idle_aborts: int, jitter: float) -> float:
+    """The wait before resubmitting after `idle_aborts` aborts in a row that made no token (0: the
+    last abort kept tokens, so the engine generates: resubmit at once); `jitter` in [0, 1) spreads
+    the turns of many sessions. Pure."""
+    if idle_aborts <= 0:
+        return 0.0
+    return min(ABORT_BACKOFF_CAP_S, ABORT_BACKOFF_FIRST_S * 2 ** (idle_aborts - 1)) * (0.5 + jitter / 2)
+
+
 # SGLang's defaults for sampling parameters a request leaves out (SamplingParams.__init__).
 SGLANG_DEFAULT_TEMPERATURE = 1.0
 # SGLang samples greedily below this temperature (sampling_params._SAMPLING_EPS) and then returns

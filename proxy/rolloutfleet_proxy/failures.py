@@ -226,9 +226,9 @@ class TemplateFailed(Failure):
 class UpstreamAborted(Failure):
     code = ErrorCode.UPSTREAM_ABORTED
 
-    def __init__(self, attempts: int, abort_message: str | None):
+    def __init__(self, attempts: int, abort_message: str | None, waited_s: float):
         super().__init__(
-            f"SGLang aborted this turn {attempts} times ({abort_message}); "
-            "nothing was recorded, retry the turn"
+            f"SGLang kept aborting this turn's generation for {waited_s:.0f}s ({attempts} attempts; last: "
+            f"{abort_message}), longer than abort_ride_through_s; nothing was recorded, retry the turn"
         )
-        self.attempts, self.abort_message = attempts, abort_message
+        self.attempts, self.abort_message, self.waited_s = attempts, abort_message, waited_s

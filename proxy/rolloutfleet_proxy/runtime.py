@@ -233,6 +233,7 @@ class ProxyRuntime:
                 self.settings.max_new_message_bytes,
                 self.settings.offload_templating_bytes,
                 self.settings.max_branches_per_session,
+                self.settings.abort_ride_through_s,
             ),
             self.request_heap_trim,
         )

@@ -94,6 +94,13 @@ class ProxySettings(BaseSettings):
         description="Branches (leaves of the session's tree: regenerations, compactions, sub-agents, "
         "group samples) a session may hold; a turn that would add more gets 409 too_many_branches.",
     )
+    abort_ride_through_s: float = Field(
+        600.0,
+        gt=0,
+        description="How long a turn whose generation the engine keeps aborting (a trainer aborting "
+        "SGLang around a weight update, or pausing it) resubmits it, backing off while aborts make no "
+        "token, before it fails with 503 upstream_aborted; longer than a weight update takes.",
+    )
     max_samples: int = Field(
         16,
         ge=1,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import random
 import secrets
 import time
 from array import array
@@ -30,9 +31,9 @@ from rolloutfleet_wire.session_record import (
 from .branching import Placement, attach, message_digests, place
 from .chat_tokens import TemplateError, TurnTokenizer
 from .continuation import (
-    MAX_CONTINUATIONS,
     MergedTurn,
     Segment,
+    abort_backoff_s,
     continuation_request,
     engine_version,
     logprobs_tempered,
@@ -71,6 +72,7 @@ class TurnLimits:
     max_new_message_bytes: int = 512 * 1024
     offload_templating_bytes: int = 32 * 1024
     max_branches: int = 256  # leaves per session
+    abort_ride_through_s: float = 600.0  # how long aborts without progress are resubmitted
 
 
 def message_text_bytes(messages: list[dict], stop_after: int | None = None) -> int:
@@ -415,27 +417,9 @@ class TurnService:
             for segments, generation in zip(sample_segments, first, strict=True):
                 segments.append(Segment(generation, engine_version(generation.weight_version, proxy_version)))
             for index, segments in enumerate(sample_segments):
-                request = (
-                    continuation_request(prompt, sampling, segments)
-                    if segments[-1].generation.aborted
-                    else None
+                paused_total += await self._ride_through_aborts(
+                    prompt, sampling, session, segments, f"{rid}-{index}"
                 )
-                while request is not None:
-                    if len(segments) > MAX_CONTINUATIONS:
-                        raise UpstreamAborted(len(segments), segments[-1].generation.abort_message)
-                    self._counters.turns_continued += 1
-                    proxy_version, paused_s = await self._generation.enter()
-                    paused_total += paused_s
-                    try:
-                        generation = await self._upstream.generate(
-                            request[0], request[1], session.session_id, f"{rid}-{index}-{len(segments)}"
-                        )
-                    finally:
-                        self._generation.leave()
-                    segments.append(
-                        Segment(generation, engine_version(generation.weight_version, proxy_version))
-                    )
-                    request = continuation_request(prompt, sampling, segments) if generation.aborted else None
         except BaseException:
             # Tokens an engine made before an abort that could not be continued: counted, not hidden.
             self._counters.generated_tokens_discarded += sum(
@@ -449,6 +433,38 @@ class TurnService:
                 len(s.generation.output_ids) for s in segments[:-1]
             )
         return merged, paused_total
+
+    async def _ride_through_aborts(
+        self, prompt: array, sampling: dict, session: Session, segments: list[Segment], rid: str
+    ) -> float:
+        """Resubmit a sample the engine aborted, with every token made so far, until it finishes. A
+        trainer aborts the engine around weight updates without telling the proxy: while aborts make
+        no token (the engine is still updating or paused) the resubmissions back off
+        (`abort_backoff_s`), and the turn fails only when the engine has not finished it within
+        `abort_ride_through_s` of the first abort. Returns the seconds held at the proxy's own gate."""
+        aborted = segments[-1].generation.aborted
+        request = continuation_request(prompt, sampling, segments) if aborted else None
+        started = time.monotonic()
+        idle_aborts = 0
+        paused_s = 0.0
+        while request is not None:
+            last = segments[-1].generation
+            idle_aborts = idle_aborts + 1 if not last.output_ids else 0
+            if time.monotonic() - started > self._limits.abort_ride_through_s:
+                raise UpstreamAborted(len(segments), last.abort_message, time.monotonic() - started)
+            await asyncio.sleep(abort_backoff_s(idle_aborts, random.random()))
+            self._counters.turns_continued += 1
+            proxy_version, waited = await self._generation.enter()
+            paused_s += waited
+            try:
+                generation = await self._upstream.generate(
+                    request[0], request[1], session.session_id, f"{rid}-{len(segments)}"
+                )
+            finally:
+                self._generation.leave()
+            segments.append(Segment(generation, engine_version(generation.weight_version, proxy_version)))
+            request = continuation_request(prompt, sampling, segments) if generation.aborted else None
+        return paused_s
 
     async def _call_upstream(
         self, session: Session, prompt: array, sampling: dict, n: int

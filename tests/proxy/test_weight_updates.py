@@ -19,7 +19,6 @@ import orjson
 import pytest
 from proxy_harness import ADMIN, running_proxy
 from rolloutfleet_proxy.continuation import (
-    MAX_CONTINUATIONS,
     Segment,
     continuation_request,
     engine_version,
@@ -269,16 +268,59 @@ def test_a_continuation_waits_for_the_proxys_resume(test_tokenizer_dir):
         assert trajectory["input_ids"][output_start:end] == [100, 101, 102, 103]
 
 
-def test_an_engine_that_aborts_every_time_gets_a_bounded_retryable_503(test_tokenizer_dir):
+def test_an_engine_that_aborts_every_time_gets_a_retryable_503_after_the_ride_through_bound(
+    test_tokenizer_dir,
+):
     upstream = AbortingUpstream(partial=0)
     upstream.abort_next = 10**6
-    with serve_app(upstream) as url, running_proxy(url, test_tokenizer_dir, None) as proxy:
+    with (
+        serve_app(upstream) as url,
+        running_proxy(url, test_tokenizer_dir, None, abort_ride_through_s=1.0) as proxy,
+    ):
         sid, key = proxy.create_session()
         before = proxy.get(sid, key).json()
+        started = time.monotonic()
         response = _turn(proxy, sid, key)
+        elapsed = time.monotonic() - started
         assert response.status_code == 503 and response.json()["error"]["code"] == "upstream_aborted"
-        assert len(upstream.requests) == MAX_CONTINUATIONS + 1
+        assert 1.0 <= elapsed < 5, elapsed  # the bound, plus at most one backoff and one answer
+        # Backed off while nothing was generated: a handful of resubmissions, not a storm.
+        assert 3 <= len(upstream.requests) <= 25, len(upstream.requests)
         assert proxy.get(sid, key).json() == before
+
+
+def test_a_trainer_driven_abort_storm_is_ridden_through_with_every_token_kept_once(test_tokenizer_dir):
+    """The trainer aborts the engine itself (not through the proxy) for 3 s, as slime, verl and AReaL
+    do around a weight update: every answer in that time is an abort. The first kept 3 tokens; the
+    turn goes on once the engine generates again, with nothing lost or duplicated."""
+    upstream = AbortingUpstream(partial=3, updated_version="4")
+    upstream.abort_next = 1
+    storm_until = time.monotonic() + 3.0
+    generate = upstream.__call__
+
+    async def stormy(scope, receive, send):
+        if scope["type"] == "http" and upstream.requests and time.monotonic() < storm_until:
+            upstream.partial, upstream.abort_next = 0, 1  # aborted again at once, nothing made
+        else:
+            upstream.partial = 3
+        await generate(scope, receive, send)
+
+    with (
+        serve_app(stormy) as url,
+        running_proxy(url, test_tokenizer_dir, None, abort_ride_through_s=30) as proxy,
+    ):
+        sid, key = proxy.create_session()
+        response = _turn(proxy, sid, key, max_tokens=8)
+        assert response.status_code == 200, response.text
+        resumed_at = time.monotonic()
+        assert resumed_at - storm_until < 1.5  # noticed the engine generating again within the backoff cap
+        trajectory = proxy.get(sid, key).json()["trajectory"]
+        _, output_start, end = trajectory["turns"][0]
+        assert trajectory["input_ids"][output_start:end] == list(range(100, 108))  # each token once
+        assert trajectory["versions"][output_start:end] == [3, 3, 3, 4, 4, 4, 4, 4]
+        totals = proxy.stats()["totals"]
+        assert totals["generated_tokens_discarded"] == 0 and totals["generated_tokens_continued"] == 3
+        assert 3 <= len(upstream.requests) <= 40
 
 
 # --- what dumps and exports keep -------------------------------------------------------------------
