@@ -22,6 +22,7 @@ from .errors import (
     unavailable,
 )
 from .failures import DeletionNotDurable, Failure, TurnInFlight
+from .history import MAX_JSON_DEPTH, json_depth_within
 from .ids import is_valid_new_session_id, key_digest, new_session_id, new_session_key
 from .openai_format import json_body
 from .responses import json_response
@@ -80,6 +81,12 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
         metadata = {} if metadata is None else metadata
         if not isinstance(metadata, dict):
             raise bad_request(ErrorCode.INVALID_METADATA, "metadata must be a JSON object")
+        # Before anything serializes it: orjson refuses deeper nesting than its limit (which would be
+        # a 500), and the journal, dumps and export headers nest metadata a few levels deeper still.
+        if not json_depth_within(metadata):
+            raise bad_request(
+                ErrorCode.INVALID_METADATA, f"metadata nests deeper than {MAX_JSON_DEPTH} levels"
+            )
         if metadata and len(orjson.dumps(metadata)) > settings.max_metadata_bytes:
             raise bad_request(
                 ErrorCode.INVALID_METADATA, f"metadata exceeds {settings.max_metadata_bytes} bytes"

@@ -368,6 +368,10 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
         yield huge[: 1024 * 1024]
         yield huge[1024 * 1024 :]
 
+    nested_metadata: dict = {}
+    for _ in range(299):  # 300 levels: deeper than orjson serializes
+        nested_metadata = {"k": nested_metadata}
+
     cases = [
         (
             "malformed json",
@@ -443,6 +447,10 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
             "bad metadata",
             lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"metadata": "x"}),
         ),
+        (
+            "metadata nested too deep",
+            lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"metadata": nested_metadata}),
+        ),
     ]
     expected = {
         "malformed json": 400,
@@ -466,6 +474,7 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
         "bad metadata": 400,
         "bad query parameter": 400,
         "metadata list": 400,
+        "metadata nested too deep": 400,
         "tools": 400,
     }
     for name, call in cases:
