@@ -33,6 +33,8 @@ class RouteAuth:
             raise unauthorized("this route needs the admin key")
 
     def authorized_session(self, request: Request, session_id: str) -> Session:
+        """The session, if the request's key may use it. Not activity for the stale timeout: only the
+        routes that change a session mark it active (a dashboard polling it must not keep it)."""
         runtime = self._runtime
         key = bearer_key(request)
         if key is None:
@@ -44,5 +46,4 @@ class RouteAuth:
         session = runtime.store.get(session_id)
         if not (key_matches(key, session.key_digest) or self.is_admin(key)):
             raise unauthorized("the key does not belong to this session")
-        session.touch()
         return session

@@ -173,6 +173,7 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
         ):
             raise bad_request(ErrorCode.INVALID_TURN, f"turn must be an integer in [0, {session.num_turns})")
         session.set_reward(float(value), turn)
+        session.touch()
         await runtime.log.commit(runtime.log.rewarded(session, float(value), turn))
         return json_response(session.summary())
 
@@ -182,6 +183,7 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
         if session.busy:
             raise TurnInFlight(session_id)
         if runtime.store.mark_finished(session):
+            session.touch()  # the trainer gets a whole stale timeout to export it
             runtime.counters.sessions_finished += 1
             await runtime.log.commit(runtime.log.finished(session))
         return json_response(session.summary())

@@ -310,6 +310,60 @@ async def test_cleanup_during_turn_never_splits_it(slow_upstream_url, test_token
         assert list(record.loss_mask).count(1) == 5  # the stub's 5 output tokens, recorded once
 
 
+# --- activity and the stale timeout -----------------------------------------------------------
+
+
+def test_a_polling_reader_does_not_keep_an_idle_session(engine_url, test_tokenizer_dir, tmp_path):
+    """A dashboard reads a session (summary, trajectory, listing) every 0.1 s: the session is still
+    written to disk once idle past the stale timeout, and the reader then learns that it ended."""
+    with running_proxy(
+        engine_url, test_tokenizer_dir, tmp_path / "d", stale_session_timeout_s=0.5, cleanup_interval_s=0.1
+    ) as proxy:
+        sid, key = proxy.create_session()
+        deadline = time.monotonic() + 10  # twenty timeouts: ample on a loaded machine
+        tokens = False
+        while True:
+            answer = proxy.get(sid, key, tokens=tokens)
+            assert httpx.get(f"{proxy.url}/v1/sessions", headers=ADMIN).status_code == 200
+            if answer.status_code == 410 or time.monotonic() > deadline:
+                break
+            assert answer.status_code in (200, 409), answer.text  # 409: being written right now
+            tokens = not tokens
+            time.sleep(0.1)
+        assert answer.status_code == 410 and answer.json()["error"]["code"] == "session_gone", answer.text
+        assert proxy.stats()["totals"]["sessions_dumped"] == 1
+
+
+def test_changes_count_as_activity_and_reads_do_not(proxy):
+    """Idle time as cleanup measures it: reads leave it running; a turn, a reward and finishing start
+    it again; finishing a finished session changes nothing, so it does not either."""
+    sid, key = proxy.create_session()
+    auth = {"Authorization": f"Bearer {key}"}
+    url = f"{proxy.url}/v1/sessions/{sid}"
+    session = proxy.runtime.store.get(sid)
+
+    def restarts_idle_time(call) -> bool:
+        time.sleep(0.5)  # idle at least this long before the call
+        idle_before = session.idle_seconds(time.monotonic())
+        answer = call()
+        assert answer.is_success, answer.text
+        return session.idle_seconds(time.monotonic()) < idle_before
+
+    reads = [
+        lambda: proxy.get(sid, key),
+        lambda: proxy.get(sid, key, tokens=False),
+        lambda: httpx.get(url, headers=ADMIN),
+        lambda: httpx.get(f"{proxy.url}/v1/sessions", headers=ADMIN),
+    ]
+    assert [restarts_idle_time(read) for read in reads] == [False] * len(reads)
+    turn = chat_body([{"role": "user", "content": "hi"}])
+    assert restarts_idle_time(lambda: httpx.post(f"{url}/chat/completions", headers=auth, json=turn))
+    assert restarts_idle_time(lambda: httpx.post(f"{url}/reward", headers=auth, json={"reward": 1}))
+    assert restarts_idle_time(lambda: httpx.post(f"{url}/finish", headers=auth))
+    assert not restarts_idle_time(lambda: httpx.post(f"{url}/finish", headers=auth))
+    assert not restarts_idle_time(reads[0])
+
+
 # --- failures and bad input --------------------------------------------------------------------
 
 
