@@ -8,7 +8,7 @@ import random
 
 import httpx
 import pytest
-from proxy_harness import ADMIN, ADMIN_KEY, chat_body, running_proxy
+from proxy_harness import ADMIN, ADMIN_KEY, answer_but_the_id, bearer, chat_body, running_proxy
 from rolloutfleet_wire.errors import ErrorCode
 
 REQUESTS = 1500
@@ -327,3 +327,34 @@ def test_objects_nested_past_the_serializer_limit_never_get_a_5xx(proxy):
         assert answer.status_code < 500, (answer.url, answer.text[:300])
         if answer.status_code >= 400:
             assert answer.json()["error"]["code"] in set(ErrorCode), (answer.url, answer.text[:300])
+
+
+def test_every_session_route_answers_a_key_that_does_not_open_the_session_as_an_unknown_id(proxy):
+    """No key learns whether an id exists: a made-up key, and another session's real key, get from
+    every route with {session_id} exactly what they get for an id never created (and no key at all
+    gets the same 401 for both). None of those calls changes the session."""
+    routes = [(m, path) for m, path in route_templates(_app_of(proxy)) if "{session_id}" in path]
+    assert len(routes) >= 5, routes  # read, delete, turn, reward, finish
+    sid, key = proxy.create_session()
+    _, other_key = proxy.create_session()
+    unknown = "never-created-1"
+    body = {**chat_body([{"role": "user", "content": "x"}]), "reward": 1.0}
+    for method, template in routes:
+        for headers in (bearer("rfs-made-up"), bearer(other_key), {}):
+            to_session, to_unknown = (
+                httpx.request(
+                    method, proxy.url + template.replace("{session_id}", target), headers=headers, json=body
+                )
+                for target in (sid, unknown)
+            )
+            assert answer_but_the_id(to_session, sid) == answer_but_the_id(to_unknown, unknown), (
+                method,
+                template,
+                headers,
+                to_session.text,
+                to_unknown.text,
+            )
+            expected = (401, ErrorCode.UNAUTHORIZED) if not headers else (404, ErrorCode.NOT_FOUND)
+            assert (to_session.status_code, to_session.json()["error"]["code"]) == expected
+    own = proxy.get(sid, key).json()
+    assert (own["num_turns"], own["finished"], own["reward"]) == (0, False, None)

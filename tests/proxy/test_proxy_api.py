@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from openai import OpenAI
-from proxy_harness import ADMIN, ADMIN_KEY, chat_body, running_proxy
+from proxy_harness import ADMIN, ADMIN_KEY, answer_but_the_id, bearer, chat_body, running_proxy
 from rolloutfleet_proxy.dumps import STALE_AREA, load_session_file
 from rolloutfleet_testkit.processes import (
     ServerProcess,
@@ -364,6 +364,35 @@ def test_changes_count_as_activity_and_reads_do_not(proxy):
     assert not restarts_idle_time(reads[0])
 
 
+# --- keys ----------------------------------------------------------------------------------------
+
+
+def test_an_ended_session_tells_its_own_key_and_the_admin_key_and_no_other(
+    engine_url, test_tokenizer_dir, tmp_path
+):
+    """Once dumped after idling, a session answers 410 `session_gone` to its key and to the admin
+    key; any other key, another session's real key included, gets what an id never created gets."""
+    with running_proxy(
+        engine_url, test_tokenizer_dir, tmp_path / "d", stale_session_timeout_s=0.3, cleanup_interval_s=0.1
+    ) as proxy:
+        sid, key = proxy.create_session()
+        _, other_key = proxy.create_session()
+        deadline = time.monotonic() + 10
+        while proxy.stats()["totals"]["sessions_dumped"] < 2:
+            assert time.monotonic() < deadline, proxy.stats()["totals"]
+            time.sleep(0.1)
+        url = f"{proxy.url}/v1/sessions/{sid}"
+        for told in (httpx.get(url, headers=bearer(key)), httpx.get(url, headers=ADMIN)):
+            error = told.json()["error"]
+            assert told.status_code == 410 and error["code"] == "session_gone" and "idle" in error["message"]
+        unknown = "never-created-1"
+        for stranger in ("rfs-made-up", other_key):
+            to_ended = httpx.get(url, headers=bearer(stranger))
+            to_unknown = httpx.get(f"{proxy.url}/v1/sessions/{unknown}", headers=bearer(stranger))
+            assert to_ended.status_code == 404 and to_ended.json()["error"]["code"] == "not_found"
+            assert answer_but_the_id(to_ended, sid) == answer_but_the_id(to_unknown, unknown)
+
+
 # --- failures and bad input --------------------------------------------------------------------
 
 
@@ -516,8 +545,8 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
         "dotted id": 400,
         "overlong id": 400,
         "missing key": 401,
-        "wrong key": 401,
-        "another session's key": 401,
+        "wrong key": 404,  # as for an unknown id: a key learns nothing of sessions it does not open
+        "another session's key": 404,
         "unknown session": 404,
         "session key on admin route": 401,
         "history diverged": 409,
