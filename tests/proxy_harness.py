@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -76,6 +77,18 @@ def proxy_process(
         env={"ROLLOUTFLEET_PROXY_ADMIN_KEY": ADMIN_KEY},
     )
     return process, f"http://127.0.0.1:{port}"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def answer_but_the_id(response: httpx.Response, session_id: str) -> tuple[int, dict[str, str], object]:
+    """What a client sees of an answer, with the session id it asked about blanked out: its status,
+    its headers (but the date and the length, which differ between any two answers) and its JSON
+    body. Two answers are indistinguishable when these are equal."""
+    headers = {k: v for k, v in response.headers.items() if k not in ("date", "content-length")}
+    return response.status_code, headers, json.loads(response.text.replace(session_id, "<id>"))
 
 
 def chat_body(messages: list[dict], **params) -> dict:

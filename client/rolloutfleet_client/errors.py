@@ -55,7 +55,8 @@ class SessionError(FleetClientError):
 
 class SessionLost(SessionError):
     """The owner (or its replacement under the same URL) is ready but does not know the session:
-    it was not restored. The client never starts a new session in its place."""
+    it was not restored. The client never starts a new session in its place. (A proxy answers a key
+    that does not open the session alike, so a session given a wrong key ends here too.)"""
 
     def __init__(self, session_id: str, owner: str, detail: str = "") -> None:
         message = "the owner is ready but answers 404 for this session: it is lost"

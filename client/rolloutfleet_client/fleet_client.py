@@ -15,9 +15,10 @@ them), calls for its sessions wait and go on, with the same request:
   any other 503), 502, and 404 while the owner's `/readyz` is not 200 (a replacement still
   restoring);
 - fatal: 404 once the owner is ready (`SessionLost` naming the session: it was not restored, and
-  this client never starts a new session in its place), 410 (`SessionEnded`), 409 and 400 (a
-  client bug or a history mismatch: `ProxyRequestError` with the proxy's message), every other
-  4xx and 5xx, and read timeouts;
+  this client never starts a new session in its place; a proxy answers a key that does not open the
+  session the same way, and a session lost in a restart answers its own key so too), 410
+  (`SessionEnded`), 409 and 400 (a client bug: `ProxyRequestError` with the proxy's message), every
+  other 4xx and 5xx, and read timeouts;
 - a turn whose connection broke after it was sent is resent with the same `Idempotency-Key` (every
   turn carries one): if the proxy recorded it, it answers from the record (exactly once, across its
   restarts); if it says the turn is still running (409 `session_busy`) the client waits; a proxy
@@ -433,7 +434,9 @@ class FleetClient:
                 elif verdict.action is Action.FATAL:
                     if response.status_code == 410:
                         self._release(session)
-                        if code == ErrorCode.SESSION_LOST:  # journaled, but its owner could not rebuild it
+                        # Journaled, but its owner could not rebuild it. Older proxies tell the session
+                        # key so; newer ones tell only the admin key and answer it 404 (handled above).
+                        if code == ErrorCode.SESSION_LOST:
                             raise SessionLost(sid, owner, f"410 {code}: {message}")
                         raise SessionEnded(sid, owner, code, message)
                     raise ProxyRequestError(url, response.status_code, code, message, sid)

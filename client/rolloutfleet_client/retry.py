@@ -19,10 +19,14 @@ read or write timeout                                    FATAL (the proxy is ali
 502 (``upstream_error``, or a balancer in front)         WAIT (nothing recorded)
 404                                                      CHECK_READY: ask the owner's ``/readyz``;
                                                          not 200 -> WAIT (a replacement restoring),
-                                                         200 -> the session is lost
+                                                         200 -> the session is lost (a proxy
+                                                         answers a key that does not open the
+                                                         session, and a session lost in its
+                                                         restart, alike: 404 ``not_found``)
 410 (``session_gone``, ``session_deleted``)              FATAL: the session has ended
 410 ``session_lost``                                     FATAL (``SessionLost``): journaled, but the
-                                                         owner's restart could not rebuild it
+                                                         owner's restart could not rebuild it (older
+                                                         proxies; newer ones tell the admin key only)
 503 ``storage_unavailable``                              WAIT (the owner cannot persist right now;
                                                          nothing was recorded)
 409, 400, 401, 413, 504, 500, anything else              FATAL, with the proxy's message

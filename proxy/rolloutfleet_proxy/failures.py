@@ -31,7 +31,7 @@ class UnknownSession(Failure):
     code = ErrorCode.NOT_FOUND
 
     def __init__(self, session_id: str):
-        super().__init__(f"unknown session {session_id}")
+        super().__init__(f"unknown session {session_id}, or not one this key opens")
         self.session_id = session_id
 
 

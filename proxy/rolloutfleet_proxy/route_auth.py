@@ -7,7 +7,7 @@ import hmac
 from fastapi import Request
 
 from .errors import draining, invalid_session_id, unauthorized
-from .ids import is_valid_session_id, key_digest, key_matches
+from .ids import is_valid_session_id, key_digest
 from .runtime import ProxyRuntime
 from .session import Session
 
@@ -33,6 +33,10 @@ class RouteAuth:
             raise unauthorized("this route needs the admin key")
 
     def authorized_session(self, request: Request, session_id: str) -> Session:
+        """The session, if the request's key may use it: the admin key any, a session key its own. Any
+        other key gets what an unknown id gets (404, the same body), so no key learns which ids exist.
+        Not activity for the stale timeout: only the routes that change a session mark it active (a
+        dashboard polling it must not keep it)."""
         runtime = self._runtime
         key = bearer_key(request)
         if key is None:
@@ -41,8 +45,7 @@ class RouteAuth:
             raise invalid_session_id()
         if runtime.lifecycle.draining:  # before the lookup: drained sessions are no longer in the store
             raise draining("the proxy is shutting down; its sessions continue on its replacement")
-        session = runtime.store.get(session_id)
-        if not (key_matches(key, session.key_digest) or self.is_admin(key)):
-            raise unauthorized("the key does not belong to this session")
-        session.touch()
-        return session
+        digest = key_digest(key)
+        if hmac.compare_digest(digest, self._admin_digest):
+            return runtime.store.get(session_id)
+        return runtime.store.get_with_key(session_id, digest)

@@ -22,6 +22,7 @@ from .errors import (
     unavailable,
 )
 from .failures import DeletionNotDurable, Failure, TurnInFlight
+from .history import MAX_JSON_DEPTH, json_depth_within
 from .ids import is_valid_new_session_id, key_digest, new_session_id, new_session_key
 from .openai_format import json_body
 from .responses import json_response
@@ -80,6 +81,12 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
         metadata = {} if metadata is None else metadata
         if not isinstance(metadata, dict):
             raise bad_request(ErrorCode.INVALID_METADATA, "metadata must be a JSON object")
+        # Before anything serializes it: orjson refuses deeper nesting than its limit (which would be
+        # a 500), and the journal, dumps and export headers nest metadata a few levels deeper still.
+        if not json_depth_within(metadata):
+            raise bad_request(
+                ErrorCode.INVALID_METADATA, f"metadata nests deeper than {MAX_JSON_DEPTH} levels"
+            )
         if metadata and len(orjson.dumps(metadata)) > settings.max_metadata_bytes:
             raise bad_request(
                 ErrorCode.INVALID_METADATA, f"metadata exceeds {settings.max_metadata_bytes} bytes"
@@ -166,6 +173,7 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
         ):
             raise bad_request(ErrorCode.INVALID_TURN, f"turn must be an integer in [0, {session.num_turns})")
         session.set_reward(float(value), turn)
+        session.touch()
         await runtime.log.commit(runtime.log.rewarded(session, float(value), turn))
         return json_response(session.summary())
 
@@ -175,6 +183,7 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
         if session.busy:
             raise TurnInFlight(session_id)
         if runtime.store.mark_finished(session):
+            session.touch()  # the trainer gets a whole stale timeout to export it
             runtime.counters.sessions_finished += 1
             await runtime.log.commit(runtime.log.finished(session))
         return json_response(session.summary())

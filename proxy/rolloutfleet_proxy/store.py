@@ -12,8 +12,10 @@ waiting for export), and the `accepted`/`rejected` counts as sessions finish or 
 from __future__ import annotations
 
 import asyncio
+import hmac
 from collections import OrderedDict
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from .failures import (
     SessionBeingWritten,
@@ -27,13 +29,23 @@ from .failures import (
 from .session import Session
 from .stats import AdmissionCounters
 
+# Matches no key's digest: an id the store holds no key for costs the same comparison as any other.
+_NO_KEY_DIGEST = bytes(32)
+
+
+class Tombstone(NamedTuple):
+    """What an ended session leaves behind: why it ended, for the holder of its key alone."""
+
+    reason: str
+    key_digest: bytes
+
 
 class SessionStore:
     def __init__(self, tombstone_capacity: int = 10000, admission: AdmissionCounters | None = None):
         self.lock = asyncio.Lock()
         self._live: dict[str, Session] = {}
         self._detached: dict[str, Session] = {}
-        self._tombstones: OrderedDict[str, str] = OrderedDict()
+        self._tombstones: OrderedDict[str, Tombstone] = OrderedDict()
         self._tombstone_capacity = tombstone_capacity
         self._ready: OrderedDict[str, Session] = OrderedDict()  # finished, held, in finish order
         self._lost: OrderedDict[str, str] = OrderedDict()  # journaled but not recoverable: id -> why
@@ -57,7 +69,7 @@ class SessionStore:
         return len(self._ready)
 
     def get(self, session_id: str) -> Session:
-        """The live session, or the failure a client should see for that id."""
+        """The live session, or the failure the admin key gets for that id (it may know them all)."""
         session = self._live.get(session_id)
         if session is not None:
             return session
@@ -66,10 +78,24 @@ class SessionStore:
         lost = self._lost.get(session_id)
         if lost is not None:
             raise SessionLostInRestart(session_id, lost)
-        reason = self._tombstones.get(session_id)
-        if reason is not None:
-            raise SessionEnded(session_id, reason)
+        tombstone = self._tombstones.get(session_id)
+        if tombstone is not None:
+            raise SessionEnded(session_id, tombstone.reason)
         raise UnknownSession(session_id)
+
+    def get_with_key(self, session_id: str, key_digest: bytes) -> Session:
+        """As `get`, for the holder of the key with this digest. Any other key gets `UnknownSession`,
+        whatever the store holds for the id, so that a key learns nothing about ids it does not open.
+        A session lost in a restart left no key behind: it is unknown to every session key."""
+        held = self._live.get(session_id) or self._detached.get(session_id)
+        if held is not None:
+            owner = held.key_digest
+        else:
+            tombstone = self._tombstones.get(session_id)
+            owner = _NO_KEY_DIGEST if tombstone is None else tombstone.key_digest
+        if not hmac.compare_digest(owner, key_digest):
+            raise UnknownSession(session_id)
+        return self.get(session_id)
 
     def all_sessions(self) -> list[Session]:
         """Every session held, live or detached (being written): what a snapshot must cover."""
@@ -195,7 +221,7 @@ class SessionStore:
             if final:  # ended without producing a trajectory
                 self.admission.rejected += 1
         if remember and self._tombstone_capacity:
-            self._tombstones[session.session_id] = reason
+            self._tombstones[session.session_id] = Tombstone(reason, session.key_digest)
             self._tombstones.move_to_end(session.session_id)
             while len(self._tombstones) > self._tombstone_capacity:
                 self._tombstones.popitem(last=False)

@@ -6,6 +6,7 @@ and the placement and retry policies as tables."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -513,6 +514,11 @@ async def test_client_url_and_the_openai_client(upstream_url, test_tokenizer_dir
             edited = await client.chat(session, history)  # an edited history starts a branch
             assert turn_ids(edited) == [2]
             assert (await client.get(session))["num_branches"] == 2
+            # A key that does not open the session gets the 404 of an unknown id from a ready owner.
+            impostor = dataclasses.replace(session, session_key="rfs-not-its-key", live=False)
+            with pytest.raises(SessionLost, match="not one this key opens"):
+                await client.get(impostor)
+            assert (await client.get(session))["num_turns"] == 3  # the impostor changed nothing
             await client.delete(session)
             with pytest.raises(SessionLost):  # deleted: 404 from a ready owner
                 await client.get(session)

@@ -8,7 +8,8 @@ import random
 
 import httpx
 import pytest
-from proxy_harness import ADMIN, ADMIN_KEY, chat_body, running_proxy
+from proxy_harness import ADMIN, ADMIN_KEY, answer_but_the_id, bearer, chat_body, running_proxy
+from rolloutfleet_wire.errors import ErrorCode
 
 REQUESTS = 1500
 SEED = 20261122
@@ -58,10 +59,15 @@ def deep(depth: int, leaf=1):
     return value
 
 
+def deep_object(depth: int, leaf=1) -> dict:
+    """A JSON object `depth` containers deep: where a route takes an object, it gets this far."""
+    return {"k": deep(depth - 1, leaf)}
+
+
 def random_value(rng: random.Random, depth: int = 0):
     roll = rng.random()
     if roll < 0.05:
-        return deep(rng.choice([64, 200, 300]))
+        return rng.choice([deep, deep_object])(rng.choice([64, 65, 200, 300]))
     if depth > 3 or roll < 0.5:
         return rng.choice(STRANGE_SCALARS)
     if roll < 0.75:
@@ -236,6 +242,7 @@ def test_the_issue_cases_get_specific_4xx(proxy):
         ("post", chat, auth, chat_body([{"role": ["user"], "content": "x"}]), 400),
         ("post", chat, auth, chat_body([{"role": "user", "content": "x", "name": deep(300, "n")}]), 400),
         ("post", f"{proxy.url}/v1/sessions", ADMIN, {"metadata": deep(300)}, 400),
+        ("post", f"{proxy.url}/v1/sessions", ADMIN, {"metadata": deep_object(300)}, 400),
         ("post", f"{proxy.url}/v1/sessions", ADMIN, {"session_id": ""}, 400),
         ("post", f"{proxy.url}/v1/sessions", ADMIN, {"session_id": 0}, 400),
         ("post", f"{proxy.url}/v1/sessions", ADMIN, {"session_id": False}, 400),
@@ -254,3 +261,106 @@ def test_the_issue_cases_get_specific_4xx(proxy):
         assert response.json()["error"]["code"], response.text
     assert httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers=auth).json()["num_turns"] == 0
     assert ADMIN_KEY  # the admin routes above ran with the real admin key
+
+
+def test_metadata_nested_too_deep_is_a_400_and_creates_nothing(proxy):
+    """300 levels are past orjson's recursion limit (255), 65 just past the proxy's own (64)."""
+    before = proxy.stats()
+    for depth in (300, 65):
+        response = httpx.post(
+            f"{proxy.url}/v1/sessions", headers=ADMIN, json={"metadata": deep_object(depth)}
+        )
+        assert response.status_code == 400, (depth, response.text[:300])
+        error = response.json()["error"]
+        assert error["code"] == ErrorCode.INVALID_METADATA and "64 levels" in error["message"], error
+    after = proxy.stats()
+    assert after["live_sessions"] == before["live_sessions"]
+    assert after["totals"]["sessions_created"] == before["totals"]["sessions_created"]
+    assert after["admission"]["enqueued"] == before["admission"]["enqueued"]
+    sid, key = proxy.create_session(metadata=deep_object(64))  # the deepest accepted
+    assert proxy.get(sid, key, tokens=False).json()["metadata"] == deep_object(64)
+
+
+def test_objects_nested_past_the_serializer_limit_never_get_a_5xx(proxy):
+    """Every route that takes a JSON object, with an object 300 levels deep wherever it takes one (and
+    where it takes none): a 4xx that says what is wrong, or the field is ignored; never a 5xx. Each
+    session call goes to a new session, so that no earlier case (a finish, a turn) decides the answer."""
+    nested = deep_object(300)
+    user = [{"role": "user", "content": "x"}]
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested}}
+    tool_round = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "r"},
+    ]
+    admin_cases = [
+        ("post", "/v1/sessions", {"metadata": nested}),
+        ("post", "/v1/sessions", {"session_id": nested}),
+        ("post", "/v1/exports", {"session_ids": [nested]}),
+        ("post", "/v1/exports", {"max_trajectories": nested}),
+        ("put", "/v1/generation/model_version", {"model_version": nested}),
+    ]
+    session_cases = [
+        ("reward", {"reward": nested}),
+        ("reward", {"reward": 1, "turn": nested}),
+        ("finish", nested),
+        ("chat/completions", chat_body([{**user[0], "metadata": nested}], metadata=nested)),
+        ("chat/completions", chat_body(user, chat_template_kwargs=nested)),
+        ("chat/completions", chat_body(user, stream_options=nested, stream=True)),
+        (
+            "chat/completions",
+            chat_body(user, tools=[{**tool, "function": {"name": "f", "parameters": nested}}]),
+        ),
+        ("chat/completions", chat_body(user, tools=[tool], tool_choice=nested)),
+        ("chat/completions", chat_body(tool_round)),
+    ]
+    answers = [
+        httpx.request(method, f"{proxy.url}{path}", headers=ADMIN, json=body)
+        for method, path, body in admin_cases
+    ]
+    for route, body in session_cases:
+        sid, key = proxy.create_session()
+        answers.append(
+            httpx.post(
+                f"{proxy.url}/v1/sessions/{sid}/{route}",
+                headers={"Authorization": f"Bearer {key}"},
+                json=body,
+                timeout=30,
+            )
+        )
+    for answer in answers:
+        assert answer.status_code < 500, (answer.url, answer.text[:300])
+        if answer.status_code >= 400:
+            assert answer.json()["error"]["code"] in set(ErrorCode), (answer.url, answer.text[:300])
+
+
+def test_every_session_route_answers_a_key_that_does_not_open_the_session_as_an_unknown_id(proxy):
+    """No key learns whether an id exists: a made-up key, and another session's real key, get from
+    every route with {session_id} exactly what they get for an id never created (and no key at all
+    gets the same 401 for both). None of those calls changes the session."""
+    routes = [(m, path) for m, path in route_templates(_app_of(proxy)) if "{session_id}" in path]
+    assert len(routes) >= 5, routes  # read, delete, turn, reward, finish
+    sid, key = proxy.create_session()
+    _, other_key = proxy.create_session()
+    unknown = "never-created-1"
+    body = {**chat_body([{"role": "user", "content": "x"}]), "reward": 1.0}
+    for method, template in routes:
+        for headers in (bearer("rfs-made-up"), bearer(other_key), {}):
+            to_session, to_unknown = (
+                httpx.request(
+                    method, proxy.url + template.replace("{session_id}", target), headers=headers, json=body
+                )
+                for target in (sid, unknown)
+            )
+            assert answer_but_the_id(to_session, sid) == answer_but_the_id(to_unknown, unknown), (
+                method,
+                template,
+                headers,
+                to_session.text,
+                to_unknown.text,
+            )
+            expected = (401, ErrorCode.UNAUTHORIZED) if not headers else (404, ErrorCode.NOT_FOUND)
+            assert (to_session.status_code, to_session.json()["error"]["code"]) == expected
+    own = proxy.get(sid, key).json()
+    assert (own["num_turns"], own["finished"], own["reward"]) == (0, False, None)

@@ -269,11 +269,13 @@ def test_restore_moves_altered_snapshots_to_corrupt_and_reports_their_sessions_l
     assert load_session_file(live / "session-c1.safetensors").session_id == "session-c1"
 
 
-def test_a_session_lost_in_a_restart_answers_410_session_lost_not_404(
+def test_a_session_lost_in_a_restart_answers_410_session_lost_to_the_admin_key(
     sglang_emulator_url, test_tokenizer_dir, tmp_path
 ):
+    """The admin key learns why; the session's own key gets what any other key gets, 404 as for an
+    unknown id: the proxy keeps no key digest for a lost session, so it cannot tell its key apart."""
     import httpx
-    from proxy_harness import running_proxy
+    from proxy_harness import ADMIN, answer_but_the_id, bearer, running_proxy
 
     dumps = tmp_path / "dumps"
     with running_proxy(sglang_emulator_url, test_tokenizer_dir, dumps) as proxy:
@@ -284,22 +286,19 @@ def test_a_session_lost_in_a_restart_answers_410_session_lost_not_404(
     data[-1] ^= 0x01  # altered on disk after the drain
     snapshot.write_bytes(bytes(data))
     with running_proxy(sglang_emulator_url, test_tokenizer_dir, dumps) as proxy:
-        lost = httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {key}"})
+        lost = httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers=ADMIN)
         assert lost.status_code == 410 and lost.json()["error"]["code"] == "session_lost"
         assert "snapshot failed verification" in lost.json()["error"]["message"]
-        assert (
-            httpx.get(
-                f"{proxy.url}/v1/sessions/{kept}", headers={"Authorization": f"Bearer {kept_key}"}
-            ).status_code
-            == 200
-        )
+        to_own_key = httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers=bearer(key))
+        unknown = httpx.get(f"{proxy.url}/v1/sessions/never-existed", headers=bearer(key))
+        assert to_own_key.status_code == 404
+        assert answer_but_the_id(to_own_key, sid) == answer_but_the_id(unknown, "never-existed")
+        assert httpx.get(f"{proxy.url}/v1/sessions/{kept}", headers=bearer(kept_key)).status_code == 200
         stats = proxy.stats()
         assert stats["sessions_lost"] == 1 and stats["totals"]["restore_failures"] == 1
-        unknown = httpx.get(f"{proxy.url}/v1/sessions/never-existed", headers={"Authorization": "Bearer x"})
-        assert unknown.status_code == 404
     # Still known as lost after a further restart (lost-sessions.json), and the altered file is kept aside.
     with running_proxy(sglang_emulator_url, test_tokenizer_dir, dumps) as proxy:
-        again = httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers={"Authorization": f"Bearer {key}"})
+        again = httpx.get(f"{proxy.url}/v1/sessions/{sid}", headers=ADMIN)
         assert again.status_code == 410 and again.json()["error"]["code"] == "session_lost"
     assert len(list((dumps / "corrupt").iterdir())) == 1
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 from openai import OpenAI
-from proxy_harness import ADMIN, ADMIN_KEY, chat_body, running_proxy
+from proxy_harness import ADMIN, ADMIN_KEY, answer_but_the_id, bearer, chat_body, running_proxy
 from rolloutfleet_proxy.dumps import STALE_AREA, load_session_file
 from rolloutfleet_testkit.processes import (
     ServerProcess,
@@ -310,6 +310,89 @@ async def test_cleanup_during_turn_never_splits_it(slow_upstream_url, test_token
         assert list(record.loss_mask).count(1) == 5  # the stub's 5 output tokens, recorded once
 
 
+# --- activity and the stale timeout -----------------------------------------------------------
+
+
+def test_a_polling_reader_does_not_keep_an_idle_session(engine_url, test_tokenizer_dir, tmp_path):
+    """A dashboard reads a session (summary, trajectory, listing) every 0.1 s: the session is still
+    written to disk once idle past the stale timeout, and the reader then learns that it ended."""
+    with running_proxy(
+        engine_url, test_tokenizer_dir, tmp_path / "d", stale_session_timeout_s=0.5, cleanup_interval_s=0.1
+    ) as proxy:
+        sid, key = proxy.create_session()
+        deadline = time.monotonic() + 10  # twenty timeouts: ample on a loaded machine
+        tokens = False
+        while True:
+            answer = proxy.get(sid, key, tokens=tokens)
+            assert httpx.get(f"{proxy.url}/v1/sessions", headers=ADMIN).status_code == 200
+            if answer.status_code == 410 or time.monotonic() > deadline:
+                break
+            assert answer.status_code in (200, 409), answer.text  # 409: being written right now
+            tokens = not tokens
+            time.sleep(0.1)
+        assert answer.status_code == 410 and answer.json()["error"]["code"] == "session_gone", answer.text
+        assert proxy.stats()["totals"]["sessions_dumped"] == 1
+
+
+def test_changes_count_as_activity_and_reads_do_not(proxy):
+    """Idle time as cleanup measures it: reads leave it running; a turn, a reward and finishing start
+    it again; finishing a finished session changes nothing, so it does not either."""
+    sid, key = proxy.create_session()
+    auth = {"Authorization": f"Bearer {key}"}
+    url = f"{proxy.url}/v1/sessions/{sid}"
+    session = proxy.runtime.store.get(sid)
+
+    def restarts_idle_time(call) -> bool:
+        time.sleep(0.5)  # idle at least this long before the call
+        idle_before = session.idle_seconds(time.monotonic())
+        answer = call()
+        assert answer.is_success, answer.text
+        return session.idle_seconds(time.monotonic()) < idle_before
+
+    reads = [
+        lambda: proxy.get(sid, key),
+        lambda: proxy.get(sid, key, tokens=False),
+        lambda: httpx.get(url, headers=ADMIN),
+        lambda: httpx.get(f"{proxy.url}/v1/sessions", headers=ADMIN),
+    ]
+    assert [restarts_idle_time(read) for read in reads] == [False] * len(reads)
+    turn = chat_body([{"role": "user", "content": "hi"}])
+    assert restarts_idle_time(lambda: httpx.post(f"{url}/chat/completions", headers=auth, json=turn))
+    assert restarts_idle_time(lambda: httpx.post(f"{url}/reward", headers=auth, json={"reward": 1}))
+    assert restarts_idle_time(lambda: httpx.post(f"{url}/finish", headers=auth))
+    assert not restarts_idle_time(lambda: httpx.post(f"{url}/finish", headers=auth))
+    assert not restarts_idle_time(reads[0])
+
+
+# --- keys ----------------------------------------------------------------------------------------
+
+
+def test_an_ended_session_tells_its_own_key_and_the_admin_key_and_no_other(
+    engine_url, test_tokenizer_dir, tmp_path
+):
+    """Once dumped after idling, a session answers 410 `session_gone` to its key and to the admin
+    key; any other key, another session's real key included, gets what an id never created gets."""
+    with running_proxy(
+        engine_url, test_tokenizer_dir, tmp_path / "d", stale_session_timeout_s=0.3, cleanup_interval_s=0.1
+    ) as proxy:
+        sid, key = proxy.create_session()
+        _, other_key = proxy.create_session()
+        deadline = time.monotonic() + 10
+        while proxy.stats()["totals"]["sessions_dumped"] < 2:
+            assert time.monotonic() < deadline, proxy.stats()["totals"]
+            time.sleep(0.1)
+        url = f"{proxy.url}/v1/sessions/{sid}"
+        for told in (httpx.get(url, headers=bearer(key)), httpx.get(url, headers=ADMIN)):
+            error = told.json()["error"]
+            assert told.status_code == 410 and error["code"] == "session_gone" and "idle" in error["message"]
+        unknown = "never-created-1"
+        for stranger in ("rfs-made-up", other_key):
+            to_ended = httpx.get(url, headers=bearer(stranger))
+            to_unknown = httpx.get(f"{proxy.url}/v1/sessions/{unknown}", headers=bearer(stranger))
+            assert to_ended.status_code == 404 and to_ended.json()["error"]["code"] == "not_found"
+            assert answer_but_the_id(to_ended, sid) == answer_but_the_id(to_unknown, unknown)
+
+
 # --- failures and bad input --------------------------------------------------------------------
 
 
@@ -369,6 +452,10 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
     def chunks():
         yield huge[: 1024 * 1024]
         yield huge[1024 * 1024 :]
+
+    nested_metadata: dict = {}
+    for _ in range(299):  # 300 levels: deeper than orjson serializes
+        nested_metadata = {"k": nested_metadata}
 
     cases = [
         (
@@ -444,6 +531,10 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
             "bad metadata",
             lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"metadata": "x"}),
         ),
+        (
+            "metadata nested too deep",
+            lambda: httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"metadata": nested_metadata}),
+        ),
     ]
     expected = {
         "malformed json": 400,
@@ -455,8 +546,8 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
         "dotted id": 400,
         "overlong id": 400,
         "missing key": 401,
-        "wrong key": 401,
-        "another session's key": 401,
+        "wrong key": 404,  # as for an unknown id: a key learns nothing of sessions it does not open
+        "another session's key": 404,
         "unknown session": 404,
         "session key on admin route": 401,
         "too many samples": 400,
@@ -470,6 +561,7 @@ def test_bad_input_gets_clear_4xx_and_leaves_state_intact(proxy):
         "bad metadata": 400,
         "bad query parameter": 400,
         "metadata list": 400,
+        "metadata nested too deep": 400,
         "tools": 400,
     }
     for name, call in cases:

@@ -14,6 +14,7 @@ from rolloutfleet_proxy.failures import (
     SessionBeingWritten,
     SessionEnded,
     SessionExists,
+    SessionLostInRestart,
     UnknownSession,
 )
 from rolloutfleet_proxy.heap import HeapTrimmer, resolve_malloc_trim
@@ -180,6 +181,34 @@ async def test_store_tokens_held_and_bounded_tombstones():
             store.get(sid)
         statuses.append(http_error(ended.value).status)
     assert statuses == [404, 410, 410]  # dumped sessions are remembered, up to the bound
+
+
+def test_store_tells_a_key_only_about_the_session_it_opens():
+    """`get_with_key`: the session's own key gets what the admin key gets (`get`); any other key gets
+    UnknownSession for every id, whatever the store holds, and so does every key for a lost session
+    (no key digest survives with it)."""
+    store = SessionStore(tombstone_capacity=4)
+    own, other = key_digest("rfs-own"), key_digest("rfs-other")
+    live, written, ended = (Session(sid, own) for sid in ("live-0001", "written-01", "ended-0001"))
+    for session in (live, written, ended):
+        store.add(session)
+    store.detach_all()
+    store.reattach(live)
+    store.forget(ended, "dumped")
+    store.mark_lost("lost-00001", "its snapshot failed verification")
+    assert store.get_with_key("live-0001", own) is live
+    with pytest.raises(SessionBeingWritten):
+        store.get_with_key("written-01", own)
+    with pytest.raises(SessionEnded):
+        store.get_with_key("ended-0001", own)
+    for sid in ("live-0001", "written-01", "ended-0001", "lost-00001", "never-0001"):
+        with pytest.raises(UnknownSession) as unknown:
+            store.get_with_key(sid, other)
+        assert unknown.value.message == f"unknown session {sid}, or not one this key opens"
+    with pytest.raises(UnknownSession):
+        store.get_with_key("lost-00001", own)
+    with pytest.raises(SessionLostInRestart):
+        store.get("lost-00001")  # the admin key's lookup
 
 
 # --- settings ------------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ from enum import StrEnum
 
 class ErrorCode(StrEnum):
     # --- any route ---
-    UNAUTHORIZED = "unauthorized"  # 401: no bearer key, or not one this route accepts
-    NOT_FOUND = "not_found"  # 404: no such route, session or export batch
+    UNAUTHORIZED = "unauthorized"  # 401: no bearer key, or not the admin key on an admin route
+    NOT_FOUND = "not_found"  # 404: no such route, session (or none the key opens) or export batch
     METHOD_NOT_ALLOWED = "method_not_allowed"  # 405
     HTTP_ERROR = "http_error"  # any other HTTP-level refusal (and what clients call an answer without a code)
     BODY_TOO_LARGE = "body_too_large"  # 413: the body exceeds max_body_bytes
