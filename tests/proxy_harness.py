@@ -53,8 +53,7 @@ def running_proxy(
         admin_key=ADMIN_KEY,
         dump_dir=dump_dir,
         allow_dropping_sessions=dump_dir is None,
-        log_requests=False,
-        **overrides,
+        **{"log_requests": False, **overrides},
     )
     runtime = ProxyRuntime(settings)
     with serve_app(create_app(settings, runtime)) as url:

@@ -108,6 +108,7 @@ class Session:
     metadata: dict[str, Any] = field(default_factory=dict)
     turns: int = 0  # turns completed through this client
     live: bool = True  # not finished, deleted or lost (counted by least-loaded placement)
+    capability_url: str | None = field(default=None, repr=False)  # a secret: the URL alone opens it
 
     @property
     def base_url(self) -> str:
@@ -205,6 +206,15 @@ class FleetClient:
         `max_retries=0`). Calls made that way do not ride through restarts."""
         return session.base_url
 
+    @staticmethod
+    def agent_base_url(session: Session) -> str:
+        """The session's capability URL: a base URL that works with any or no API key (what
+        frameworks hand their agents: `base_url` and `api_key="EMPTY"`). It carries the session's
+        secret: give it only to the agent, do not log it; deleting the session revokes it."""
+        if session.capability_url is None:
+            raise ValueError("this proxy returned no capability_url (it predates capability URLs)")
+        return session.capability_url
+
     # --- creating ----------------------------------------------------------------------------------
 
     async def create_session(
@@ -298,12 +308,17 @@ class FleetClient:
                     created["session_id"],
                     endpoint,
                 )
+        owner = str(owner).rstrip("/")
+        capability = created.get("capability_url")
+        if capability is not None and not capability.startswith(("http://", "https://")):
+            capability = owner + capability  # relative: the proxy knows no public URL of its own
         return Session(
             session_id=created["session_id"],
             session_key=created["session_key"],
-            owner=str(owner).rstrip("/"),
+            owner=owner,
             endpoint=endpoint,
             metadata=metadata,
+            capability_url=capability,
         )
 
     def _release(self, session: Session) -> None:

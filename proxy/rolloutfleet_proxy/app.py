@@ -10,7 +10,7 @@ from rolloutfleet_wire.errors import ErrorCode
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
-from .chat_route import chat_route
+from .chat_route import chat_routes
 from .errors import ProxyError, error_response, failure_handler
 from .failures import Failure
 from .middleware import BUDGET_RETRY_AFTER_S, BodyTooLarge, BudgetExhausted, RequestBudget, RequestMiddleware
@@ -77,7 +77,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
     # The routers' routes join the app's own table, flat and in this order: FastAPI's include_router
     # would add a lazily resolved branch that every request (the chat turn too) walks through.
     app.router.routes.extend(session_router(runtime, settings, auth).routes)
-    app.router.routes.append(chat_route(runtime, settings, auth))  # plain Starlette: the hot path
+    app.router.routes.extend(chat_routes(runtime, settings, auth))  # plain Starlette: the hot path
     app.router.routes.extend(trainer_router(runtime, auth.require_admin).routes)
     app.router.routes.extend(operation_router(runtime, settings, auth.require_admin).routes)
 

@@ -22,12 +22,18 @@ from .runtime import ProxyRuntime
 from .settings import ProxySettings
 
 CHAT_PATH = "/v1/sessions/{session_id}/chat/completions"
+# The same route under a session's capability URL (`ids.capability_path`): the path's secret opens it.
+CAPABILITY_CHAT_PATH = "/v1/sessions/{session_id}/cap/{capability}/chat/completions"
 # On an answer sent again from the record (a retried request): the engine was not called.
 REPLAYED_HEADER = "Idempotent-Replayed"
 
 
-def chat_route(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAuth) -> Route:
-    authorized_session = auth.authorized_session
+def chat_routes(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAuth) -> list[Route]:
+    def authorized_session(request: Request, session_id: str):
+        capability = request.path_params.get("capability")
+        if capability is not None:
+            return auth.capability_session(session_id, capability)
+        return auth.authorized_session(request, session_id)
 
     async def read_json(request: Request):
         return json_body(await request.body())
@@ -80,4 +86,7 @@ def chat_route(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAuth) 
             )
         return Response(completion_body(completion), media_type="application/json", headers=headers)
 
-    return Route(CHAT_PATH, chat, methods=["POST"])
+    return [
+        Route(CHAT_PATH, chat, methods=["POST"]),
+        Route(CAPABILITY_CHAT_PATH, chat, methods=["POST"]),
+    ]

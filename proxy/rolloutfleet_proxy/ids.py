@@ -36,6 +36,20 @@ def new_session_key() -> str:
     return "rfs-" + secrets.token_urlsafe(32)
 
 
+# A capability URL: the session's base URL with its key in the path, so the URL alone opens it.
+CAPABILITY_SEGMENT = "cap"
+_CAPABILITY_IN_PATH = re.compile(rf"(/{CAPABILITY_SEGMENT}/)[^/]+")
+
+
+def capability_path(session_id: str, session_key: str) -> str:
+    return f"/v1/sessions/{session_id}/{CAPABILITY_SEGMENT}/{session_key}"
+
+
+def redact_capability(path: str) -> str:
+    """A request path as it may be logged: a capability's secret replaced."""
+    return _CAPABILITY_IN_PATH.sub(r"\1<redacted>", path)
+
+
 def key_digest(key: str) -> bytes:
     """Only digests of session keys are kept (in memory and in dumps)."""
     return hashlib.sha256(key.encode()).digest()

@@ -14,6 +14,7 @@ from rolloutfleet_wire.errors import ErrorCode
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_body
+from .ids import redact_capability
 from .stats import Counters, Gauges
 
 BUDGET_RETRY_AFTER_S = 1
@@ -107,7 +108,7 @@ class RequestMiddleware:
             if self.log_requests and access_log.isEnabledFor(logging.INFO):
                 fields = {
                     "method": scope["method"],
-                    "path": scope["path"],
+                    "path": redact_capability(scope["path"]),  # a capability URL is a secret
                     "status": status,
                     "total_ms": round((time.perf_counter() - start) * 1000, 3),
                     **timings,

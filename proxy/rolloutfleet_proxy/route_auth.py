@@ -49,3 +49,13 @@ class RouteAuth:
         if hmac.compare_digest(digest, self._admin_digest):
             return runtime.store.get(session_id)
         return runtime.store.get_with_key(session_id, digest)
+
+    def capability_session(self, session_id: str, capability: str) -> Session:
+        """The session a capability URL names: its secret is the session's key, so the URL alone
+        opens it, whatever Authorization header comes with it (frameworks hand agents a bare base URL
+        and `api_key="EMPTY"`). A wrong secret gets what an unknown id gets."""
+        if not is_valid_session_id(session_id):
+            raise invalid_session_id()
+        if self._runtime.lifecycle.draining:
+            raise draining("the proxy is shutting down; its sessions continue on its replacement")
+        return self._runtime.store.get_with_key(session_id, key_digest(capability))

@@ -23,7 +23,7 @@ from .errors import (
 )
 from .failures import DeletionNotDurable, Failure, TurnInFlight
 from .history import MAX_JSON_DEPTH, json_depth_within
-from .ids import is_valid_new_session_id, key_digest, new_session_id, new_session_key
+from .ids import capability_path, is_valid_new_session_id, key_digest, new_session_id, new_session_key
 from .openai_format import json_body
 from .responses import json_response
 from .route_auth import RouteAuth
@@ -118,6 +118,8 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
                 "session_key": key,
                 "proxy_url": settings.public_url,
                 "base_url": base + path,
+                # The same session from its URL alone, any or no API key (absolute with public_url).
+                "capability_url": base + capability_path(session_id, key),
             },
             201,
         )

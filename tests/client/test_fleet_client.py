@@ -505,6 +505,21 @@ async def test_client_url_and_the_openai_client(upstream_url, test_tokenizer_dir
                     max_tokens=4,
                 )
             assert second.model_extra["rolloutfleet"]["turn"] == 1
+            # The agent's view: the capability URL alone (relative on this proxy: made absolute
+            # against the owner), with the placeholder key frameworks pass.
+            agent_url = client.agent_base_url(session)
+            assert agent_url.startswith(proxy.url + f"/v1/sessions/{session.session_id}/cap/")
+            async with AsyncOpenAI(base_url=agent_url, api_key="EMPTY", max_retries=0) as agent:
+                retried = await agent.chat.completions.create(
+                    model="rolloutfleet",
+                    messages=[
+                        *messages,
+                        reply["choices"][0]["message"],
+                        {"role": "user", "content": "again"},
+                    ],
+                    max_tokens=4,
+                )
+            assert retried.model_extra["rolloutfleet"]["turn"] == 1  # the same request: its recorded reply
             summary = await client.reward(session, 0.5, turn=1)
             assert summary["turn_rewards"] == {"1": 0.5}
             assert (await client.get(session))["num_turns"] == 2
