@@ -56,6 +56,7 @@ from typing import Any
 
 import httpx
 from rolloutfleet_wire.errors import ErrorCode
+from rolloutfleet_wire.export_format import decode_batch
 
 from .errors import (
     NoAnswerCode,
@@ -375,6 +376,34 @@ class FleetClient:
         summary = (await self._session_call(session, "POST", "/finish", WRITE)).json()
         self._release(session)
         return summary
+
+    async def take(
+        self, session: Session, *, samples: str = "latest", drop_replaced: bool = False
+    ) -> list[dict[str, Any]]:
+        """A finished session's trajectory, taken from its owner in one call, for frameworks that
+        consume one episode at a time: exported as a batch of this session alone (the proxy writes it
+        to its dump volume before it answers, as every export) and acknowledged once decoded here.
+        Returns its samples (one, the path to the latest turn, by default; per leaf or per turn with
+        `samples`, as `TrainerClient.export_from`), each the export's JSON view: `input_ids`,
+        `loss_mask`, `logprobs`, `versions`, `reward`, `turn_bounds`, ..., and `sample` (its place
+        in the tree). If the answer is lost, the batch stays held on the proxy until its TTL, and
+        `TrainerClient.pending()` finds it."""
+        owner, sid = session.owner, session.session_id
+        admin = self._auth(self._admin_key)
+        body: dict[str, Any] = {"session_ids": [sid], "samples": samples, "drop_replaced": drop_replaced}
+        exported = await self._http.request(owner, "POST", f"{owner}/v1/exports", headers=admin, json=body)
+        if exported.status_code != 201:
+            code, message = proxy_error(exported)
+            raise ProxyRequestError(f"{owner}/v1/exports", exported.status_code, code, message, sid)
+        batch = await asyncio.to_thread(decode_batch, exported.content)  # CPU: off the caller's loop
+        taken = [batch.trajectory(i) for i in range(batch.num_trajectories)]
+        ack_url = f"{owner}/v1/exports/{batch.batch_id}/ack"
+        acknowledged = await self._http.request(owner, "POST", ack_url, headers=admin)
+        if acknowledged.status_code != 200:
+            code, message = proxy_error(acknowledged)
+            raise ProxyRequestError(ack_url, acknowledged.status_code, code, message, sid)
+        self._release(session)
+        return taken
 
     async def get(self, session: Session, tokens: bool = True) -> dict:
         """The session summary; with `tokens`, its trajectory (ids, loss mask, logprobs, turns)."""

@@ -614,3 +614,31 @@ async def test_an_owner_that_never_comes_back_is_bounded():
             await client.chat(session, [{"role": "user", "content": "hi"}])
         assert 0.5 <= loop.time() - started < 3
         assert raised.value.owner == dead and "ConnectError" in str(raised.value)
+
+
+async def test_a_finished_session_is_taken_in_one_call(upstream_url, test_tokenizer_dir, tmp_path):
+    """One episode at a time, from async code: export and acknowledge in one call; the proxy then holds
+    neither the session nor the batch. Per leaf, a regenerated turn gives two samples."""
+    with running_proxy(upstream_url, test_tokenizer_dir, tmp_path / "dumps") as proxy:
+        async with FleetClient([proxy.url], admin_key=ADMIN_KEY) as client:
+            session = await client.create_session()
+            messages = [{"role": "user", "content": "hi"}]
+            reply = await client.chat(session, messages, max_tokens=4)
+            await client.chat(session, messages, regenerate=True, max_tokens=4)
+            await client.reward(session, 1.0)
+            expected = (await client.get(session))["trajectory"]
+            await client.finish(session)
+            (latest,) = await client.take(session)
+            assert latest["input_ids"] == expected["input_ids"] and latest["reward"] == 1.0
+            assert latest["loss_mask"] == expected["loss_mask"] and latest["sample"]["turn"] == 1
+            assert reply["rolloutfleet"]["turn"] == 0
+            stats = proxy.stats()
+            assert stats["live_sessions"] == 0 and stats["export_bytes"] == 0
+            with pytest.raises(ProxyRequestError, match="410 session_gone"):
+                await client.take(session)  # taken once
+            other = await client.create_session()
+            await client.chat(other, messages, max_tokens=4)
+            await client.chat(other, messages, regenerate=True, max_tokens=4)
+            await client.finish(other)
+            leaves = await client.take(other, samples="leaves")
+            assert [s["sample"]["turn"] for s in leaves] == [0, 1]
