@@ -60,7 +60,7 @@ def local_cluster(work: Path) -> Iterator[Cluster]:
         ensure_images(("proxy", "operator", "testkit"), node.containerd_addresses)
         kubectl = Kubectl(node.bin_dir / "kubectl", node.kubeconfig, NAMESPACE)
         kubectl("apply", "-f", str(fleet_setup.CRDS))
-        kubectl("wait", "--for=condition=Established", "crd/rolloutfleets.rolloutfleet.dev", "--timeout=60s")
+        kubectl.wait_established("rolloutfleets.rolloutfleet.dev")
         kubectl("create", "namespace", NAMESPACE)
         progress("installing the operator with helm (it runs as a pod)")
         subprocess.run(
