@@ -32,6 +32,8 @@ MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 FLEET_LABEL = f"{API_GROUP}/fleet"
 ORDINAL_LABEL = f"{API_GROUP}/ordinal"
 TEMPLATE_HASH_ANNOTATION = f"{API_GROUP}/template-hash"
+# On every applied child but proxy pods: the hash of the manifest it was applied from (desired_state.py).
+DESIRED_HASH_ANNOTATION = f"{API_GROUP}/desired-hash"
 APP_NAME = "rolloutfleet"
 MANAGER = "rolloutfleet-operator"
 

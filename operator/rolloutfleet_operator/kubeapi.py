@@ -14,6 +14,8 @@ from typing import Any
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from .pacing import TokenBucket
+
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 APPLY = "application/apply-patch+yaml"  # server-side apply (JSON is valid YAML)
@@ -67,11 +69,13 @@ def load_configuration(kubeconfig: str | None = None) -> client.Configuration:
 
 
 class KubeApi:
-    """One connection pool to the API server; thread-safe (urllib3's pool is)."""
+    """One connection pool to the API server; thread-safe (urllib3's pool is). With a `limiter`,
+    every request first takes a token from it (blocking the worker thread it runs in)."""
 
-    def __init__(self, configuration: client.Configuration):
+    def __init__(self, configuration: client.Configuration, limiter: TokenBucket | None = None):
         self.configuration = configuration
         self.api = client.ApiClient(configuration)
+        self.limiter = limiter
 
     def close(self) -> None:
         self.api.close()
@@ -97,6 +101,8 @@ class KubeApi:
         timeout: float = 30,
     ) -> tuple[int, dict]:
         """One request: (HTTP status, decoded JSON body); raises ApiException on a non-2xx answer."""
+        if self.limiter is not None:
+            self.limiter.acquire()
         headers = {"Accept": "application/json"}
         if body is not None:
             headers["Content-Type"] = content_type

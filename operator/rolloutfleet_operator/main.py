@@ -17,14 +17,20 @@ import kopf
 from . import metrics
 from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER
 from .fleet_loop import FleetLoops
-from .kubeapi import KubeApi, fleet_path, load_configuration
+from .kubeapi import RESOURCES, KubeApi, load_configuration
 from .leadership import Election, Leadership, LeaseClient, StandbyHealth, wait_for_leadership
 from .memory_watchdog import FleetWatchdog
+from .pacing import TokenBucket
 from .plan import is_ready, pod_event_needs_pass
 from .reconcile import Reconciler
+from .watch_cache import CACHED_KINDS, OWNED_LABELS, FleetStore, KindKey, OwnedObjects, by_fleet, index_id
 
 GROUP, VERSION, PLURAL = "rolloutfleet.dev", "v1alpha1", "rolloutfleets"
 RESYNC_SECONDS = 10.0
+# The client-side rate limit of the operator's own requests (kopf's watches and Events aside), as
+# controller-runtime's defaults: enough for a roll of many fleets at once, never a flood.
+API_QPS = 20.0
+API_BURST = 30
 log = logging.getLogger("rolloutfleet.operator")
 
 _reconciler: Reconciler | None = None
@@ -32,22 +38,42 @@ _loops: FleetLoops | None = None
 _pod_readiness: dict[str, bool] = {}  # proxy pod uid -> Ready as last seen
 # Watching listed namespaces only: kopf need not (and, least-privileged, cannot) list namespaces.
 _static_namespaces = False
+_api_rate = (API_QPS, API_BURST)
 
-
-# The proxy pods the operator watches: the API server filters by these labels, so the operator is
-# not sent every pod of the cluster (kopf's `labels=` filter on the handler alone filters client-side).
+# The proxy pods whose events run their fleet's pass (a client-side filter: the watch itself
+# selects every pod the operator manages, engine pods included, for the pod cache).
 WATCHED_POD_LABELS = {MANAGED_BY_LABEL: MANAGER, COMPONENT_LABEL: "proxy"}
 
 
-def select_watched_pods(settings: kopf.OperatorSettings) -> None:
-    selector = ",".join(f"{key}={value}" for key, value in sorted(WATCHED_POD_LABELS.items()))
-    settings.watching.label_selectors["", "v1", "pods"] = selector
+def _resource(kind: KindKey) -> tuple[str, str, str]:
+    """(group, version, plural) of a kind, as kopf names resources."""
+    api_version, _ = kind
+    group, _, version = api_version.rpartition("/")
+    return group, version, RESOURCES[kind]
+
+
+def select_owned_objects(settings: kopf.OperatorSettings) -> None:
+    """The API server filters the cached kinds' watches by the managed-by label, so the operator is
+    not sent every pod or Service of the cluster (kopf's `labels=` filters only client-side)."""
+    selector = ",".join(f"{key}={value}" for key, value in sorted(OWNED_LABELS.items()))
+    for kind in CACHED_KINDS:
+        settings.watching.label_selectors[_resource(kind)] = selector
+
+
+def _index_owned(body: kopf.Body, **_) -> dict:
+    return by_fleet(body)
+
+
+for _kind in CACHED_KINDS:  # one kopf index per cached kind, handed to the reconciler at startup
+    kopf.index(*_resource(_kind), id=index_id(_kind), labels=OWNED_LABELS)(_index_owned)
 
 
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, **_) -> None:
+async def configure(settings: kopf.OperatorSettings, **kwargs) -> None:
+    """kwargs: the indexes (kopf hands them to every handler, created empty before startup and
+    filled before any other handler runs)."""
     global _reconciler, _loops
-    select_watched_pods(settings)
+    select_owned_objects(settings)
     # Handler progress and diff bases go to annotations: the CRD's status schema would prune
     # kopf's default status fields, and a pruned write reads back different, so kopf would loop.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rolloutfleet.dev")
@@ -56,15 +82,20 @@ async def configure(settings: kopf.OperatorSettings, **_) -> None:
     settings.watching.server_timeout = 60
     # Without this, kopf spends ~1 minute of retries on a namespace list it is not allowed.
     settings.scanning.disabled = _static_namespaces
-    _reconciler = Reconciler(KubeApi(await asyncio.to_thread(load_configuration, None)))
-    _loops = FleetLoops(_background_pass, _make_watchdog, RESYNC_SECONDS)
+    configuration = await asyncio.to_thread(load_configuration, None)
+    api = KubeApi(configuration, TokenBucket(*_api_rate))
+    fleets = FleetStore()
+    owned = OwnedObjects({kind: kwargs[index_id(kind)] for kind in CACHED_KINDS})
+    _reconciler = Reconciler(api, fleets, owned)
+    _loops = FleetLoops(_background_pass, _make_watchdog, RESYNC_SECONDS, fleets)
 
 
 def _post_event(obj, type: str, reason: str, message: str) -> None:
     kopf.event(obj, type=type, reason=reason, message=message)
 
 
-async def _pass(body: kopf.Body) -> None:
+async def _pass(body: kopf.Body) -> bool:
+    """One pass and its Events; whether it did all it meant to (no child refused)."""
     assert _reconciler is not None
     fleet = (body["metadata"]["namespace"], body["metadata"]["name"])
     started = time.perf_counter()
@@ -85,6 +116,7 @@ async def _pass(body: kopf.Body) -> None:
         kopf.info(body, reason=reason, message=f"deleted proxy pod {pod} ({reason})")
     for failure in result.failures:
         kopf.warn(body, reason="FailedCreate", message=failure)
+    return not result.failures
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
@@ -97,7 +129,8 @@ async def on_change(body: kopf.Body, **_) -> None:
 @kopf.on.event("", "v1", "pods", labels=WATCHED_POD_LABELS)
 async def on_proxy_pod_event(event: kopf.RawEvent, body: kopf.Body, **_) -> None:
     """A proxy pod that is gone or failed is replaced now, and a readiness change is reflected now
-    (status, rolls), not at the next periodic pass."""
+    (status, rolls), not at the next periodic pass: the fleet's loop runs a pass at once, one for
+    a burst of such events (fleet_loop.py)."""
     uid = body["metadata"]["uid"]
     was_ready = _pod_readiness.get(uid)
     if event.get("type") == "DELETED":
@@ -106,35 +139,33 @@ async def on_proxy_pod_event(event: kopf.RawEvent, body: kopf.Body, **_) -> None
         _pod_readiness[uid] = is_ready(body)
     if not pod_event_needs_pass(event.get("type"), body, was_ready):
         return
-    assert _reconciler is not None
-    namespace, fleet_name = (
-        body["metadata"]["namespace"],
-        (body["metadata"].get("labels") or {}).get(FLEET_LABEL),
-    )
-    if not fleet_name:
-        return
-    fleet = await asyncio.to_thread(_reconciler.api.get, fleet_path(namespace, fleet_name))
-    if fleet is not None and not fleet["metadata"].get("deletionTimestamp"):
-        await _pass(kopf.Body(cast(kopf.RawBody, fleet)))
+    assert _loops is not None
+    fleet_name = (body["metadata"].get("labels") or {}).get(FLEET_LABEL)
+    if fleet_name:
+        _loops.wake(body["metadata"]["namespace"], fleet_name)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
 async def track_fleet(event: kopf.RawEvent, body: kopf.Body, **_) -> None:
     """Every fleet event feeds its background loop (periodic pass and memory watchdog; see
     fleet_loop.py for why these are not kopf timers and daemons: no finalizer)."""
-    assert _loops is not None
+    assert _loops is not None and _reconciler is not None
     _loops.observe(event.get("type"), body)
+    if event.get("type") == "DELETED":
+        _reconciler.forget(body["metadata"]["namespace"], body["metadata"]["name"])
 
 
 async def _make_watchdog(key: tuple[str, str]):
     assert _reconciler is not None
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-    watchdog = FleetWatchdog(_reconciler.api, http, _post_event, _reconciler.lock_for(*key))
+    watchdog = FleetWatchdog(
+        _reconciler.api, _reconciler.fleets, _reconciler.owned, http, _post_event, _reconciler.lock_for(*key)
+    )
     return watchdog, http.close
 
 
-async def _background_pass(body: dict) -> None:
-    await _pass(kopf.Body(cast(kopf.RawBody, body)))
+async def _background_pass(body: dict) -> bool:
+    return await _pass(kopf.Body(cast(kopf.RawBody, body)))
 
 
 @kopf.on.cleanup()
@@ -163,14 +194,19 @@ def main(argv: list[str] | None = None) -> int:
         "--leader-election-namespace", default=None, help="the Lease's namespace (default: POD_NAMESPACE)"
     )
     parser.add_argument("--leader-election-id", default="rolloutfleet-operator", help="the Lease's name")
+    parser.add_argument(
+        "--api-qps", type=float, default=API_QPS, help="the operator's API requests per second, sustained"
+    )
+    parser.add_argument("--api-burst", type=int, default=API_BURST, help="... and in a burst")
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
     )
-    global _static_namespaces
+    global _static_namespaces, _api_rate
     _static_namespaces = not args.all_namespaces
+    _api_rate = (args.api_qps, args.api_burst)
     port = metrics.serve(args.metrics_port, args.bind_address)
     log.info("serving /metrics on %s:%d", args.bind_address, port)
     leadership = lead(args) if args.leader_election else None

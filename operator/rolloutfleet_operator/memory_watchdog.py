@@ -1,9 +1,10 @@
 """One fleet's memory watchdog: each cycle polls the proxies' /stats, decides (watchdog.py, pure) and
 acts: graceful deletion of over-budget proxies, Events, metrics and the fleet's status.
 
-API requests per cycle, whatever the fleet's size: one list of the fleet's proxy pods, one read of
-the fleet, at most one status patch (only when something changed), plus one delete per restart.
-Polls go straight to pod IPs, bounded in concurrency and time (stats_poll.py).
+API requests per cycle, whatever the fleet's size: none at rest (the pods and the fleet come from
+the watch caches, watch_cache.py), one status patch when the condition or memoryRestarts changed
+(two more when the cache lagged: a refused patch and a read), plus one delete per restart. Polls go
+straight to pod IPs, bounded in concurrency and time (stats_poll.py).
 """
 
 from __future__ import annotations
@@ -18,11 +19,13 @@ import aiohttp
 
 from . import metrics, watchdog
 from .conditions import set_condition
-from .fleet import Fleet, proxy_ordinal, selector_string
-from .kubeapi import KubeApi, fleet_path, resource_path
+from .fleet import Fleet, proxy_ordinal
+from .kubeapi import KubeApi, resource_path
 from .plan import ProxyPodView, proxy_pod_view
+from .reconcile import POD, write_status
 from .reconcile import now_rfc3339 as _now_rfc3339
 from .stats_poll import poll_stats, stats_url
+from .watch_cache import FleetStore, OwnedObjects
 
 log = logging.getLogger("rolloutfleet.watchdog")
 
@@ -59,6 +62,8 @@ class FleetWatchdog:
     def __init__(
         self,
         api: KubeApi,
+        fleets: FleetStore,
+        owned: OwnedObjects,
         http: aiohttp.ClientSession,
         post_event: EventSink,
         status_lock: asyncio.Lock,
@@ -66,6 +71,8 @@ class FleetWatchdog:
         now_rfc3339: Callable[[], str] | None = None,
     ):
         self.api = api
+        self.fleets = fleets
+        self.owned = owned
         self.http = http
         self.post_event = post_event
         self.status_lock = status_lock  # shared with the reconciler: one status writer at a time
@@ -81,6 +88,10 @@ class FleetWatchdog:
         self._requests += 1
         return await asyncio.to_thread(fn, *args)
 
+    async def _call_api(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """For write_status: `fn(api, *args)`, counted."""
+        return await self._call(fn, self.api, *args)
+
     async def cycle(self, fleet: Fleet) -> None:
         self._requests = 0
         try:
@@ -94,10 +105,8 @@ class FleetWatchdog:
         metrics.PROXY_RSS_BUDGET.labels(fleet.namespace, fleet.name).set(spec.rss_budget_bytes)
         pods: list[dict[str, Any]] = []
         samples: dict[str, watchdog.Sample] = {}
-        if spec.enabled:  # off: no list and no polls, only the condition saying so
-            pods = await self._call(
-                self.api.list, "v1", "Pod", fleet.namespace, selector_string(fleet, "proxy")
-            )
+        if spec.enabled:  # off: no polls, only the condition saying so
+            pods = self.owned.of_fleet(POD, fleet.namespace, fleet.name, "proxy")
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
         views = {}
         for name, pod in by_name.items():
@@ -116,7 +125,7 @@ class FleetWatchdog:
         self._record_samples(fleet, samples)
         now = self._clock()
         if not self._seeded:
-            previous = await self._call(self.api.get, fleet_path(fleet.namespace, fleet.name))
+            previous = self.fleets.get(fleet.namespace, fleet.name)
             memory_restarts = ((previous or {}).get("status") or {}).get("memoryRestarts")
             self.state = watchdog.seed_from_status(
                 self.state, memory_restarts, now=now, wall_now=time.time(), spec=spec
@@ -194,10 +203,7 @@ class FleetWatchdog:
         restarts: list[tuple[watchdog.Restart, str]],
         samples: Mapping[str, watchdog.Sample],
     ) -> None:
-        async with self.status_lock:
-            current = await self._call(self.api.get, fleet_path(fleet.namespace, fleet.name))
-            if current is None:
-                return
+        def update_for(current: dict[str, Any]) -> dict[str, Any]:
             status = current.get("status") or {}
             update: dict[str, Any] = {}
             now = self._now_rfc3339()
@@ -215,11 +221,10 @@ class FleetWatchdog:
                 memory_restarts = watchdog.memory_restarts_status(memory_restarts, restart, stamp)
             if memory_restarts != status.get("memoryRestarts"):
                 update["memoryRestarts"] = memory_restarts
-            if not update:
-                return
-            await self._call(
-                self.api.patch, fleet_path(fleet.namespace, fleet.name) + "/status", {"status": update}
-            )
+            return update
+
+        async with self.status_lock:
+            await write_status(self._call_api, self.fleets, fleet.namespace, fleet.name, update_for)
 
 
 def _as_pod(pod: dict[str, Any]) -> dict[str, Any]:

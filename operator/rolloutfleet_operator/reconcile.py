@@ -1,8 +1,11 @@
 """One reconciliation pass of a RolloutFleet: observe, diff against the pure builders, apply.
 
-Level-triggered: create, update, resume, a timer and pod events all run the same pass, and a pass
-that finds the world as wanted writes nothing (server-side apply of unchanged children is a no-op,
-and status is patched only when it differs). Every blocking API call runs in a worker thread.
+Level-triggered: create, update, resume, a timer and pod events all run the same pass. It reads
+what exists from the watch caches (watch_cache.py), not from the API server, and writes only what
+differs: a child whose cached object already matches its desired manifest is not applied
+(desired_state.py), unwanted children are looked for only when the spec changed, the generated
+admin-key Secret is checked once per fleet, and status is patched only when it differs. So a pass
+over a fleet at rest makes no API request at all. Every blocking API call runs in a worker thread.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import datetime
 import json
 import logging
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,12 +23,16 @@ from kubernetes.client.exceptions import ApiException
 
 from . import metrics
 from .conditions import ObservedState, fleet_status
-from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal, selector_string
+from .desired_state import apply_reason, with_desired_hash
+from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal
 from .kubeapi import KubeApi, fleet_path, resource_path
 from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash, unwanted_children
-from .plan import VOLUNTARY_DISRUPTIONS, plan_proxies, proxy_pod_view, ready_pod_urls
+from .plan import VOLUNTARY_DISRUPTIONS, ProxyPodView, plan_proxies, proxy_pod_view, ready_pod_urls
+from .watch_cache import FleetStore, OwnedObjects
 
 log = logging.getLogger("rolloutfleet.operator")
+POD = ("v1", "Pod")
+DEPLOYMENT = ("apps/v1", "Deployment")
 
 
 def now_rfc3339() -> str:
@@ -42,30 +50,97 @@ class PassResult:
     failures: list[str] = field(default_factory=list)
 
 
+Call = Callable[..., Awaitable[Any]]
+
+
+async def write_status(
+    call: Call, fleets: FleetStore, namespace: str, name: str, update_for: Callable[[dict[str, Any]], dict]
+) -> bool:
+    """Patch the fleet's status with `update_for(fleet as known)` unless that is empty; whether it
+    wrote. The fleet comes from the watch cache, and the patch carries its resourceVersion: if
+    another writer (the reconciler, the watchdog, a user) changed the fleet since, the API server
+    refuses it (409) and the update is decided again on the fleet as stored, so a stale cache never
+    writes back an old conditions list. The answer (the fleet as stored) goes into the cache."""
+    path = fleet_path(namespace, name)
+    current = fleets.get(namespace, name)
+    for attempt in range(2):
+        if current is None:
+            current = await call(_get, path)
+            if current is None:
+                return False  # deleted meanwhile: its children go with it
+        update = update_for(current)
+        if not update:
+            return False
+        body = {"metadata": {"resourceVersion": current["metadata"].get("resourceVersion")}, "status": update}
+        try:
+            stored = await call(_patch, path + "/status", body)
+        except ApiException as exc:
+            if exc.status != 409 or attempt:
+                raise
+            current = None
+            continue
+        if stored is not None:
+            fleets.put(stored)
+        return stored is not None
+    return False
+
+
+def _get(api: KubeApi, path: str) -> dict | None:
+    return api.get(path)
+
+
+def _patch(api: KubeApi, path: str, body: dict) -> dict | None:
+    return api.patch(path, body)
+
+
 class Reconciler:
-    def __init__(self, api: KubeApi):
+    def __init__(self, api: KubeApi, fleets: FleetStore, owned: OwnedObjects):
         self.api = api
+        self.fleets = fleets
+        self.owned = owned
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
+        # Per fleet, the admin-key Secret (name, fleet uid) seen or created: checked once, as the
+        # operator does not watch Secrets (its role may only get and create them).
+        self._admin_keys: dict[tuple[str, str], tuple[str, str]] = {}
+        # (uid, generation) of the spec whose unwanted children were last removed, per fleet.
+        self._pruned: dict[tuple[str, str], tuple[str, int]] = {}
 
     def lock_for(self, namespace: str, name: str) -> asyncio.Lock:
         """One pass or status write per fleet at a time: kopf runs the fleet's handlers, its timer,
         pod-triggered passes and the memory watchdog concurrently."""
         return self._locks.setdefault((namespace, name), asyncio.Lock())
 
+    def forget(self, namespace: str, name: str) -> None:
+        """The fleet is gone: drop what was remembered about it."""
+        self._locks.pop((namespace, name), None)
+        self._pruned.pop((namespace, name), None)
+        self._admin_keys.pop((namespace, name), None)
+
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.to_thread(fn, *args, **kwargs)
+
+    async def _call_api(self, fn, *args):
+        """For write_status: `fn(api, *args)` in a worker thread."""
+        return await asyncio.to_thread(fn, self.api, *args)
 
     async def reconcile(self, body: dict[str, Any]) -> PassResult:
         fleet = parse_fleet(body)
         async with self.lock_for(fleet.namespace, fleet.name):
-            return await self._reconcile(fleet, body)
+            return await self._reconcile(fleet)
 
-    async def _reconcile(self, fleet: Fleet, body: dict[str, Any]) -> PassResult:
+    async def _reconcile(self, fleet: Fleet) -> PassResult:
         result = PassResult()
         for manifest in desired_children(fleet):
-            child = f"{manifest['kind']}/{manifest['metadata']['name']}"
+            kind = (manifest["apiVersion"], manifest["kind"])
+            name = manifest["metadata"]["name"]
+            child = f"{manifest['kind']}/{name}"
+            desired = with_desired_hash(manifest)
+            reason = apply_reason(desired, self.owned.get(kind, fleet.namespace, fleet.name, name))
+            if reason is None:
+                continue
+            log.debug("fleet %s/%s: applying %s (%s)", fleet.namespace, fleet.name, child, reason)
             try:
-                _, created = await self._call(self.api.apply_reporting, manifest)
+                _, created = await self._call(self.api.apply_reporting, desired)
             except ApiException as exc:  # one refused child must not stop the others or the status
                 result.failures.append(f"{child}: {_reason(exc)}")
                 continue
@@ -74,41 +149,53 @@ class Reconciler:
                 metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, manifest["kind"]).inc()
         if fleet.generates_admin_key:
             await self._ensure_admin_key(fleet, result)
-        await self._prune(fleet, result)
-        observed = await self._reconcile_proxies(fleet, result)
+        spec = (fleet.uid, fleet.generation)
+        if self._pruned.get((fleet.namespace, fleet.name)) != spec and await self._prune(fleet, result):
+            self._pruned[(fleet.namespace, fleet.name)] = spec
+        observed = self._observe(fleet, await self._reconcile_proxies(fleet, result), result.failures)
         for state, count in (
             ("desired", fleet.proxy.replicas),
             ("ready", sum(1 for v in observed.proxies if v.ready)),
             ("updated", sum(1 for v in observed.proxies if v.template_hash == observed.current_hash)),
         ):
             metrics.FLEET_PROXIES.labels(fleet.namespace, fleet.name, state).set(count)
-        # The status as stored now, not as in `body`: the memory watchdog may have set its
-        # condition since, and the conditions list is written whole.
-        path = fleet_path(fleet.namespace, fleet.name)
-        current = await self._call(self.api.get, path)
-        if current is None:
-            return result  # deleted meanwhile: its children go with it
-        previous = current.get("status") or {}
-        status = fleet_status(fleet, observed, now_rfc3339(), previous.get("conditions") or [])
-        metrics.FLEET_READY.labels(fleet.namespace, fleet.name).set(
-            any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
-        )
-        if _status_differs(previous, status):
-            await self._call(self.api.patch, path + "/status", {"status": status})
+
+        def update_for(current: dict[str, Any]) -> dict[str, Any]:
+            # The status as stored, not as in the body this pass started from: the memory watchdog
+            # may have set its condition since, and the conditions list is written whole.
+            previous = current.get("status") or {}
+            status = fleet_status(fleet, observed, now_rfc3339(), previous.get("conditions") or [])
+            metrics.FLEET_READY.labels(fleet.namespace, fleet.name).set(
+                any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
+            )
+            return status if _status_differs(previous, status) else {}
+
+        await write_status(self._call_api, self.fleets, fleet.namespace, fleet.name, update_for)
         return result
 
-    async def _prune(self, fleet: Fleet, result: PassResult) -> None:
-        """Delete children the spec no longer wants, when this fleet owns them (never another's)."""
+    async def _prune(self, fleet: Fleet, result: PassResult) -> bool:
+        """Delete children the spec no longer wants, when this fleet owns them (never another's);
+        whether all of them are gone. The cache says which exist, so this costs no request unless
+        there is something to delete."""
+        done = True
         for api_version, kind, name in unwanted_children(fleet):
-            path = resource_path(api_version, kind, fleet.namespace, name)
-            child = await self._call(self.api.get, path)
+            child = self.owned.get((api_version, kind), fleet.namespace, fleet.name, name)
             owners = ((child or {}).get("metadata") or {}).get("ownerReferences") or []
-            owned = child is not None and any(o.get("uid") == fleet.uid for o in owners)
-            if owned and await self._call(self.api.delete, path):
-                result.deleted_children.append(f"{kind}/{name}")
+            if child is None or not any(o.get("uid") == fleet.uid for o in owners):
+                continue
+            try:
+                if await self._call(self.api.delete, resource_path(api_version, kind, fleet.namespace, name)):
+                    result.deleted_children.append(f"{kind}/{name}")
+            except ApiException as exc:
+                result.failures.append(f"{kind}/{name}: {_reason(exc)}")
+                done = False
+        return done
 
     async def _ensure_admin_key(self, fleet: Fleet, result: PassResult) -> None:
         ref = fleet.admin_key_ref
+        remembered = (ref.name, fleet.uid)
+        if self._admin_keys.get((fleet.namespace, fleet.name)) == remembered:
+            return
         path = resource_path("v1", "Secret", fleet.namespace, ref.name)
         if await self._call(self.api.get, path) is None:
             # Created once with a random key and never re-applied (that would change the key).
@@ -120,14 +207,18 @@ class Reconciler:
             if created is not None:
                 result.created_children.append(f"Secret/{ref.name}")
                 metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, "Secret").inc()
+        self._admin_keys[(fleet.namespace, fleet.name)] = remembered
 
-    async def _reconcile_proxies(self, fleet: Fleet, result: PassResult) -> ObservedState:
-        pods = await self._call(self.api.list, "v1", "Pod", fleet.namespace, selector_string(fleet, "proxy"))
+    def _proxy_views(self, fleet: Fleet) -> list[ProxyPodView]:
         views = []
-        for pod in pods:
+        for pod in self.owned.of_fleet(POD, fleet.namespace, fleet.name, "proxy"):
             ordinal = proxy_ordinal(fleet, pod["metadata"]["name"])
             if ordinal is not None:
                 views.append(proxy_pod_view(pod, ordinal))
+        return views
+
+    async def _reconcile_proxies(self, fleet: Fleet, result: PassResult) -> list[ProxyPodView]:
+        views = self._proxy_views(fleet)
         current = template_hash(fleet)
         plan = plan_proxies(fleet.proxy.replicas, views, current)
         failures = result.failures
@@ -166,23 +257,22 @@ class Reconciler:
                 metrics.PROXIES_DELETED.labels(fleet.namespace, fleet.name, deletion.reason).inc()
         if plan.waiting:
             log.info("fleet %s/%s: %s", fleet.namespace, fleet.name, plan.waiting)
-        gateway = await self._call(
-            self.api.get, resource_path("apps/v1", "Deployment", fleet.namespace, gateway_name(fleet))
-        )
+        return views
+
+    def _observe(self, fleet: Fleet, views: list[ProxyPodView], failures: list[str]) -> ObservedState:
+        """What the status is computed from; the pods as they were when this pass planned (its own
+        creations and deletions show in the next pass, which their watch events trigger)."""
+        gateway = self.owned.get(DEPLOYMENT, fleet.namespace, fleet.name, gateway_name(fleet))
         engines = None
         engine_endpoints = fleet.external_engine_urls
         if fleet.engines is not None:
-            engines = await self._call(
-                self.api.get, resource_path("apps/v1", "Deployment", fleet.namespace, engine_name(fleet))
-            )
-            engine_pods = await self._call(
-                self.api.list, "v1", "Pod", fleet.namespace, selector_string(fleet, "engine")
-            )
-            engine_endpoints = tuple(ready_pod_urls(engine_pods or [], fleet.engines.port))
+            engines = self.owned.get(DEPLOYMENT, fleet.namespace, fleet.name, engine_name(fleet))
+            engine_pods = self.owned.of_fleet(POD, fleet.namespace, fleet.name, "engine")
+            engine_endpoints = tuple(ready_pod_urls(engine_pods, fleet.engines.port))
         return ObservedState(
             desired_proxies=fleet.proxy.replicas,
             proxies=tuple(views),
-            current_hash=current,
+            current_hash=template_hash(fleet),
             gateway_ready=_ready(gateway),
             gateway_desired=fleet.gateway.replicas,
             engines_ready=None if fleet.engines is None else _ready(engines),

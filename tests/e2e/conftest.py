@@ -34,6 +34,7 @@ class Cluster:
     local: bool
     bin_dir: Path | None  # where kubectl and helm are (local cluster), else from PATH
     host_ip: str  # an address of this machine the cluster's pods can reach (servers for pods bind it)
+    audit_log: Path | None = None  # the API server's audit log (the local control plane writes one)
 
     def kubectl_client(self) -> Kubectl:
         binary = str(self.bin_dir / "kubectl") if self.bin_dir else shutil.which("kubectl")
@@ -65,7 +66,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
     with real_cluster(tmp_path_factory.mktemp("cluster"), images=IMAGES, gpu_images=GPU_IMAGES) as node:
         before = node.host_before  # after `up` cleared what a killed earlier run left
-        yield Cluster(node.kubeconfig, local=True, bin_dir=node.bin_dir, host_ip=node.bridge_ip)
+        from rolloutfleet_testkit.controlplane import audit
+
+        audit_log = Path(node.kubeconfig).parent / audit.LOG_FILE
+        yield Cluster(
+            node.kubeconfig, local=True, bin_dir=node.bin_dir, host_ip=node.bridge_ip, audit_log=audit_log
+        )
     # Teardown put back every machine-wide setting the nodes changed (an error here fails the run).
     after = host_state()
     assert after == before, {k: (before[k], after[k]) for k in before if before[k] != after[k]}

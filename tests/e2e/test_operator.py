@@ -9,9 +9,11 @@ pods on the GPU node, or one served on this machine as an external engine URL.""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from operator_install import installed_operator
 from rolloutfleet_operator.plan import is_ready
 from rolloutfleet_proxy.settings import ENV
 from rolloutfleet_testkit import fleet_setup
+from rolloutfleet_testkit.controlplane import audit
 from rolloutfleet_testkit.demo import QUESTIONS, run_session
 from rolloutfleet_testkit.fleet_setup import condition, create_session, one_turn, session_tokens
 from rolloutfleet_testkit.processes import serve_app, wait_until_routed
@@ -113,6 +116,80 @@ def test_fleet_lifecycle(cluster, operator, test_tokenizer_dir):
             interval_s=1,
         )
     assert operator_restarts(cluster, operator) == 0
+
+
+RESYNC_S = 10  # the operator's periodic pass (main.RESYNC_SECONDS)
+LEASES = "/apis/coordination.k8s.io/"  # leader election: the replica's, not any fleet's
+
+
+def operator_requests(cluster, operator: Operator, since: datetime.datetime, until: datetime.datetime):
+    """What the operator's ServiceAccount asked of the API server in [since, until), from its audit
+    log, leader election left out."""
+    user = f"system:serviceaccount:{operator.namespace}:{operator.deployment}"
+    return [r for r in audit.requests_of(cluster.audit_log, user, since, until) if LEASES not in r.uri]
+
+
+def summary(requests) -> str:
+    return ", ".join(
+        f"{n} {what}" for what, n in Counter(f"{r.verb} {r.uri.split('?')[0]}" for r in requests).items()
+    )
+
+
+def test_a_fleet_at_rest_costs_at_most_two_requests_per_resync_and_no_write(
+    cluster, operator, test_tokenizer_dir
+):
+    """Counted at the API server (its audit log): once a fleet is Ready and its status settled,
+    a minute of resyncs and memory checks reads from the watch caches and writes nothing. Then a
+    roll of its two proxies, counted the same way."""
+    if cluster.audit_log is None:
+        pytest.skip("counts requests in the local control plane's audit log")
+    namespace = operator.namespace
+    with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0), host=cluster.host_ip) as engine_url:
+        fleet = fleet_setup.external_fleet("quiet", namespace, test_tokenizer_dir, engine_url, replicas=2)
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
+        wait_for(
+            lambda: fleet_ready(cluster, namespace, "quiet", 2),
+            timeout_s=120,
+            what="the fleet Ready with 2 proxies",
+            interval_s=1,
+        )
+        time.sleep(2 * RESYNC_S)  # the passes and memory checks that follow readiness settle the status
+        window_s = 60
+        since = now()
+        time.sleep(window_s)
+        at_rest = operator_requests(cluster, operator, since, now())
+        per_resync = len(at_rest) / (window_s / RESYNC_S)
+        print(f"[api-load] at rest, 1 fleet: {len(at_rest)} requests in {window_s} s ({summary(at_rest)})")
+        assert not [r for r in at_rest if r.write], summary(at_rest)
+        assert per_resync <= 2, summary(at_rest)
+
+        since = now()
+        cluster.kubectl(
+            "patch", "rf", "quiet", "-n", namespace, "--type=merge", "-p",
+            json.dumps({"spec": {"proxy": {"staleSessionTimeoutSeconds": 901}}}),
+        )  # fmt: skip
+        wait_for(
+            lambda: (
+                (status := get(cluster, namespace, "rf", "quiet").get("status", {})).get("updatedReplicas")
+                == 2
+                and fleet_setup.fleet_ready(status, 2)
+            ),
+            timeout_s=180,
+            what="the roll of both proxies",
+            interval_s=1,
+        )
+        rolled = now()
+        during_roll = operator_requests(cluster, operator, since, rolled)
+        seconds = (rolled - since).total_seconds()
+        print(
+            f"[api-load] roll of 2 proxies, 1 fleet: {len(during_roll)} requests in {seconds:.0f} s,"
+            f" {sum(r.write for r in during_roll)} writes ({summary(during_roll)})"
+        )
+        cluster.kubectl("delete", "rf", "quiet", "-n", namespace)
+
+
+def now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
 
 
 def operator_pods(cluster, operator: Operator) -> list[dict]:

@@ -24,6 +24,7 @@ from rolloutfleet_operator.fleet import (
     labels,
     parse_fleet,
 )
+from rolloutfleet_operator.watch_cache import CACHED_KINDS
 
 SAMPLES = Path(__file__).resolve().parents[2] / "operator" / "samples"
 PLACEMENT = {
@@ -231,20 +232,20 @@ def test_fleet_names_too_long_for_their_children_are_refused(length):
     assert max(len(n) for n in names) == 63
 
 
-async def test_the_operator_watches_only_its_proxy_pods():
-    """The pod watch carries a label selector, so the API server sends only our proxies' events
-    (kopf's handler filter alone would still stream every pod in the cluster to the operator)."""
+async def test_the_operator_watches_only_the_objects_it_manages():
+    """Every cached kind's watch carries a label selector, so the API server sends only the
+    operator's own pods and children (kopf's handler filter alone would still stream every pod and
+    Service of the cluster to the operator); fleets are watched whole."""
     settings = kopf.OperatorSettings()
-    operator_main.select_watched_pods(settings)
-    pods = kopf.Resource(group="", version="v1", plural="pods", kind="Pod", namespaced=True)
+    operator_main.select_owned_objects(settings)
     fleets = kopf.Resource(
         group="rolloutfleet.dev", version="v1alpha1", plural="rolloutfleets", namespaced=True
     )
-    selector = ",".join(settings.watching.label_selectors.collect(pods))
-    assert set(selector.split(",")) == {
-        "app.kubernetes.io/managed-by=rolloutfleet-operator",
-        "app.kubernetes.io/component=proxy",
-    }
+    for kind in CACHED_KINDS:
+        group, version, plural = operator_main._resource(kind)
+        resource = kopf.Resource(group=group, version=version, plural=plural, kind=kind[1], namespaced=True)
+        selector = ",".join(settings.watching.label_selectors.collect(resource))
+        assert selector == "app.kubernetes.io/managed-by=rolloutfleet-operator", kind
     assert list(settings.watching.label_selectors.collect(fleets)) == []
 
 

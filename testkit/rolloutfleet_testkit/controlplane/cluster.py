@@ -21,6 +21,7 @@ from rolloutfleet_testkit.cache import project_cache
 from rolloutfleet_testkit.processes import free_ports
 from rolloutfleet_testkit.waiting import log_tail, wait_for
 
+from . import audit
 from .build import ensure_binaries
 from .pki import Pki, create_pki, kubeconfig
 
@@ -115,6 +116,7 @@ def component_args(
             f"--service-account-signing-key-file={pki.path('sa.key')}",
             "--allow-privileged=true",
             f"--cert-dir={root / 'apiserver-certs'}",
+            *audit.apiserver_args(root),
         ]
     if name == "kube-controller-manager":
         return [
@@ -178,6 +180,7 @@ def up(
         _remove_tree(root)
     logs = root / "logs"
     logs.mkdir(parents=True)
+    audit.write_policy(root)
     say(f"certificates and keys in {root / 'pki'}")
     server_ips = (address,) if address != LOOPBACK else ()
     pki = create_pki(root / "pki", server_ips=server_ips, nodes=nodes)

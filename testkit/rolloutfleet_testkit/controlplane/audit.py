@@ -1,0 +1,80 @@
+"""The API server's audit log, for counting what a client asks of it (the operator's requests per
+fleet). The local control plane writes one JSON line per request of a ServiceAccount outside
+kube-system (the operator, the routers' service discovery), at the Metadata level: who, what verb,
+which URI, when; no bodies. Each request appears at ResponseComplete, and a watch also when its
+response starts, so requests are told apart by their auditID.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+POLICY_FILE = "audit-policy.yaml"
+LOG_FILE = "audit.log"
+
+# First matching rule wins. Controllers run as kube-system ServiceAccounts
+# (--use-service-account-credentials): left out, they would be most of the log.
+POLICY = """\
+apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+  - level: None
+    userGroups: ["system:serviceaccounts:kube-system"]
+  - level: Metadata
+    userGroups: ["system:serviceaccounts"]
+  - level: None
+"""
+
+WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
+
+
+def write_policy(root: Path) -> None:
+    (root / POLICY_FILE).write_text(POLICY)
+
+
+def apiserver_args(root: Path) -> list[str]:
+    """The API server's audit flags (the policy file is `write_policy`'s)."""
+    return [f"--audit-policy-file={root / POLICY_FILE}", f"--audit-log-path={root / LOG_FILE}"]
+
+
+@dataclass(frozen=True)
+class AuditedRequest:
+    received: datetime.datetime
+    user: str
+    verb: str  # get, list, watch, create, update, patch, delete, ...
+    uri: str
+    code: int | None  # None while a watch still runs
+
+    @property
+    def write(self) -> bool:
+        return self.verb in WRITE_VERBS
+
+
+def parse_requests(lines: Iterable[str]) -> list[AuditedRequest]:
+    """One entry per request (by auditID), in the order they were received."""
+    found: dict[str, AuditedRequest] = {}
+    for line in lines:
+        if not line.strip():
+            continue
+        entry = json.loads(line)
+        received = datetime.datetime.fromisoformat(entry["requestReceivedTimestamp"].replace("Z", "+00:00"))
+        code = (entry.get("responseStatus") or {}).get("code")
+        request = AuditedRequest(
+            received, entry["user"]["username"], entry["verb"], entry["requestURI"], code
+        )
+        if entry["auditID"] not in found or code is not None:
+            found[entry["auditID"]] = request
+    return sorted(found.values(), key=lambda r: r.received)
+
+
+def requests_of(
+    log: Path, user: str, since: datetime.datetime, until: datetime.datetime
+) -> list[AuditedRequest]:
+    """The requests `user` made that the API server received in [since, until)."""
+    with log.open() as lines:
+        return [r for r in parse_requests(lines) if r.user == user and since <= r.received < until]

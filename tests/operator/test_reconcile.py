@@ -1,0 +1,182 @@
+"""The reconciler's requests (reconcile.py) against a recording stand-in for the API, with the
+watch caches filled as the API server would fill them: a pass over a fleet at rest makes none; a
+spec change applies only what it changed; unwanted children are looked for only after a spec
+change; the admin-key Secret is checked once; a status computed from a stale cache is decided
+again on the fleet as stored."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+from fleet_samples import sample
+from kubernetes.client.exceptions import ApiException
+from rolloutfleet_operator.desired_state import with_desired_hash
+from rolloutfleet_operator.fleet import parse_fleet
+from rolloutfleet_operator.manifests import desired_children, engine_deployment, proxy_pod
+from rolloutfleet_operator.reconcile import Reconciler
+from rolloutfleet_operator.watch_cache import CACHED_KINDS, FleetStore, OwnedObjects, by_fleet
+
+READY = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}], "podIP": "10.0.0.9"}
+
+
+class RecordingApi:
+    """The calls the reconciler makes; the fleet's status lives here as on the API server."""
+
+    def __init__(self, fleet: dict):
+        self.fleet = copy.deepcopy(fleet)
+        self.fleet["metadata"]["resourceVersion"] = "1"
+        self.calls: list[tuple[str, str]] = []
+
+    def apply_reporting(self, obj: dict):
+        self.calls.append(("apply", f"{obj['kind']}/{obj['metadata']['name']}"))
+        return obj, False
+
+    def get(self, path: str):
+        self.calls.append(("get", path))
+        return copy.deepcopy(self.fleet) if "rolloutfleets" in path else {"kind": "Secret"}
+
+    def create(self, path: str, body: dict):
+        self.calls.append(("create", body["metadata"]["name"]))
+        return body
+
+    def delete(self, path: str, body=None):
+        self.calls.append(("delete", path.rsplit("/", 2)[-2] + "/" + path.rsplit("/", 1)[-1]))
+        return True
+
+    def evict(self, namespace: str, name: str):
+        self.calls.append(("evict", name))
+        return "evicted"
+
+    def patch(self, path: str, body: dict, content_type: str = ""):
+        self.calls.append(("patch", path.rsplit("/", 1)[-1]))
+        if body["metadata"]["resourceVersion"] != self.fleet["metadata"]["resourceVersion"]:
+            raise ApiException(status=409, reason="Conflict")
+        self.fleet["status"] = {**(self.fleet.get("status") or {}), **body["status"]}
+        self.fleet["metadata"]["resourceVersion"] = str(int(self.fleet["metadata"]["resourceVersion"]) + 1)
+        return copy.deepcopy(self.fleet)
+
+
+def cluster_at_rest(body: dict) -> dict:
+    """kind -> {(namespace, fleet): objects}: every child as applied, the gateway ready, the
+    proxies created from the current template and Ready."""
+    fleet = parse_fleet(body)
+    indexes: dict = {kind: {} for kind in CACHED_KINDS}
+
+    def add(obj: dict) -> None:
+        for key, value in by_fleet(obj).items():
+            indexes[(obj["apiVersion"], obj["kind"])].setdefault(key, []).append(value)
+
+    for manifest in desired_children(fleet):
+        stored = with_desired_hash(manifest)
+        if stored["kind"] == "Deployment":
+            stored["status"] = {"readyReplicas": stored["spec"]["replicas"]}
+        add(stored)
+    for ordinal in range(fleet.proxy.replicas):
+        add({**proxy_pod(fleet, ordinal), "status": READY})
+    return indexes
+
+
+def reconciler_for(body: dict, indexes: dict | None = None) -> tuple[Reconciler, RecordingApi, dict]:
+    api = RecordingApi(body)
+    fleets = FleetStore()
+    fleets.put(api.fleet)
+    indexes = indexes if indexes is not None else cluster_at_rest(body)
+    return Reconciler(api, fleets, OwnedObjects(indexes)), api, indexes  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["minimal", "gpu"])
+async def test_a_fleet_at_rest_costs_no_request(name):
+    body = sample(name)
+    reconciler, api, _ = reconciler_for(body)
+    await reconciler.reconcile(body)
+    # The first pass: the admin-key Secret is checked once (minimal generates it), the status
+    # written once; no child is applied.
+    assert [c for c in api.calls if c[0] == "apply"] == []
+    assert [c[0] for c in api.calls if c[0] == "patch"] == ["patch"]
+    api.calls.clear()
+    for _ in range(3):
+        await reconciler.reconcile(body)
+    assert api.calls == []
+
+
+async def test_a_spec_change_applies_what_it_changed_only():
+    body = sample("gpu")
+    reconciler, api, _ = reconciler_for(body)
+    await reconciler.reconcile(body)
+    api.calls.clear()
+    changed = copy.deepcopy(body)
+    changed["spec"]["gateway"]["replicas"] = 2
+    changed["metadata"]["generation"] += 1
+    await reconciler.reconcile(changed)
+    applies = [c[1] for c in api.calls if c[0] == "apply"]
+    assert applies == ["Deployment/" + changed["metadata"]["name"] + "-gateway"]
+
+
+async def test_a_child_missing_from_the_cache_is_applied_again():
+    body = sample("gpu")
+    indexes = cluster_at_rest(body)
+    key = ("rl", body["metadata"]["name"])
+    services = indexes[("v1", "Service")][key]
+    removed = services.pop(0)  # deleted by hand: its DELETED event removed it from the cache
+    reconciler, api, _ = reconciler_for(body, indexes)
+    await reconciler.reconcile(body)
+    assert [c[1] for c in api.calls if c[0] == "apply"] == [f"Service/{removed['metadata']['name']}"]
+
+
+async def test_unwanted_children_are_looked_for_when_the_spec_changed_only():
+    body = sample("minimal")  # external engines: an engine Deployment is not wanted
+    fleet = parse_fleet(sample("gpu") | {"metadata": body["metadata"]})
+    indexes = cluster_at_rest(body)
+    leftover = with_desired_hash(engine_deployment(fleet))
+    indexes[("apps/v1", "Deployment")][("rl", fleet.name)].append(leftover)
+    reconciler, api, _ = reconciler_for(body, indexes)
+    await reconciler.reconcile(body)
+    assert ("delete", f"deployments/{leftover['metadata']['name']}") in api.calls
+    api.calls.clear()
+    await reconciler.reconcile(body)  # still in the cache (its DELETED event not yet seen)
+    assert [c for c in api.calls if c[0] == "delete"] == []
+    body["metadata"]["generation"] += 1
+    await reconciler.reconcile(body)
+    assert [c[0] for c in api.calls if c[0] == "delete"] == ["delete"]
+
+
+async def test_an_unwanted_child_of_another_owner_is_left_alone():
+    body = sample("minimal")
+    fleet = parse_fleet(sample("gpu") | {"metadata": body["metadata"]})
+    indexes = cluster_at_rest(body)
+    foreign = with_desired_hash(engine_deployment(fleet))
+    foreign["metadata"]["ownerReferences"][0]["uid"] = "someone-else"
+    indexes[("apps/v1", "Deployment")][("rl", fleet.name)].append(foreign)
+    reconciler, api, _ = reconciler_for(body, indexes)
+    await reconciler.reconcile(body)
+    assert [c for c in api.calls if c[0] == "delete"] == []
+
+
+async def test_a_status_decided_on_a_stale_cache_is_decided_again():
+    body = sample("gpu")
+    reconciler, api, _ = reconciler_for(body)
+    await reconciler.reconcile(body)
+    # Another writer (the memory watchdog) changed the fleet; the cache has not seen it yet.
+    api.fleet["status"]["conditions"] = [*api.fleet["status"]["conditions"], {"type": "MemoryPressure"}]
+    api.fleet["metadata"]["resourceVersion"] = "100"
+    stale = copy.deepcopy(api.fleet)
+    stale["metadata"]["resourceVersion"] = "99"
+    stale["status"]["readyReplicas"] = 0  # a value the pass will want to change
+    reconciler.fleets.put(stale)
+    api.calls.clear()
+    await reconciler.reconcile(body)
+    assert [c[0] for c in api.calls] == ["patch", "get"]  # refused (409), read, and nothing to write
+    assert {"type": "MemoryPressure"} in api.fleet["status"]["conditions"]  # not written over
+
+
+async def test_the_admin_key_secret_is_checked_once_per_fleet():
+    body = sample("minimal")
+    reconciler, api, _ = reconciler_for(body)
+    for _ in range(3):
+        await reconciler.reconcile(body)
+    secret_reads = [c for c in api.calls if c[0] == "get" and "/secrets/" in c[1]]
+    assert len(secret_reads) == 1
+    reconciler.forget("rl", body["metadata"]["name"])  # the fleet was deleted: a new one checks again
+    await reconciler.reconcile(body)
+    assert len([c for c in api.calls if c[0] == "get" and "/secrets/" in c[1]]) == 2

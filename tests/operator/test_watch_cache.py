@@ -1,0 +1,48 @@
+"""The watch caches' read side (watch_cache.py): objects grouped by fleet, looked up by kind and name."""
+
+from __future__ import annotations
+
+from rolloutfleet_operator.fleet import COMPONENT_LABEL, FLEET_LABEL
+from rolloutfleet_operator.watch_cache import CACHED_KINDS, FleetStore, OwnedObjects, by_fleet, index_id
+
+
+def obj(name: str, fleet: str | None, component: str = "proxy", namespace: str = "ns") -> dict:
+    labels = {COMPONENT_LABEL: component} | ({FLEET_LABEL: fleet} if fleet else {})
+    return {"metadata": {"name": name, "namespace": namespace, "labels": labels}}
+
+
+def test_objects_are_indexed_by_namespace_and_fleet():
+    assert by_fleet(obj("a", "f")) == {("ns", "f"): obj("a", "f")}
+    assert by_fleet(obj("a", None)) == {}  # managed by the operator but of no fleet: not cached
+
+
+def test_lookup_by_kind_fleet_component_and_name():
+    pod = ("v1", "Pod")
+    owned = OwnedObjects(
+        {
+            kind: {("ns", "f"): [obj("f-proxy-0", "f"), obj("f-engine-x", "f", "engine")]}
+            if kind == pod
+            else {}
+            for kind in CACHED_KINDS
+        }
+    )
+    assert [p["metadata"]["name"] for p in owned.of_fleet(pod, "ns", "f", "proxy")] == ["f-proxy-0"]
+    assert len(owned.of_fleet(pod, "ns", "f")) == 2
+    assert owned.of_fleet(pod, "ns", "other") == []
+    assert owned.get(pod, "ns", "f", "f-engine-x") == obj("f-engine-x", "f", "engine")
+    assert owned.get(("apps/v1", "Deployment"), "ns", "f", "f-gateway") is None
+
+
+def test_index_ids_are_distinct_keywords():
+    ids = [index_id(kind) for kind in CACHED_KINDS]
+    assert len(set(ids)) == len(ids) and all(i.isidentifier() for i in ids)
+
+
+def test_the_fleet_store_keeps_the_latest_body():
+    store = FleetStore()
+    body = {"metadata": {"namespace": "ns", "name": "f", "resourceVersion": "1"}}
+    store.put(body)
+    store.put({**body, "metadata": {**body["metadata"], "resourceVersion": "2"}})
+    assert store.get("ns", "f")["metadata"]["resourceVersion"] == "2"
+    store.forget("ns", "f")
+    assert store.get("ns", "f") is None and ("ns", "f") not in store
