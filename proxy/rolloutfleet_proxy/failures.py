@@ -1,4 +1,5 @@
-"""Why the store, the journal, the export buffer, the generation gate and a turn refuse: domain exceptions.
+"""Why the store, the journal, the export buffer, the generation gate, the upstream and a turn refuse:
+domain exceptions.
 
 Each carries its ErrorCode and the facts, and knows no HTTP: `errors.http_error` is the one place
 they become an answer (status, headers). Raising one never changes state.
@@ -232,3 +233,40 @@ class UpstreamAborted(Failure):
             "nothing was recorded, retry the turn"
         )
         self.attempts, self.abort_message = attempts, abort_message
+
+
+# --- the upstream (SGLang) ------------------------------------------------------------------------
+
+
+class UpstreamFailed(Failure):
+    """SGLang failed, could not be reached or answered what is not an answer: nothing was recorded."""
+
+    code = ErrorCode.UPSTREAM_ERROR
+
+
+class UpstreamTimedOut(Failure):
+    """SGLang did not answer within `upstream_timeout_s`: nothing was recorded."""
+
+    code = ErrorCode.UPSTREAM_TIMEOUT
+
+
+class ContextLengthExceeded(Failure):
+    """SGLang refused the turn (400): the conversation has reached the model's context length."""
+
+    code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
+
+    def __init__(self, refusal: str):
+        super().__init__(
+            f"SGLang refused the turn: {refusal} (the conversation has reached the model's context length)"
+        )
+        self.refusal = refusal
+
+
+class SamplingRefused(Failure):
+    """SGLang refused the turn (400) for its sampling parameters: the client's problem, not a retry's."""
+
+    code = ErrorCode.INVALID_SAMPLING_PARAMS
+
+    def __init__(self, refusal: str):
+        super().__init__(f"SGLang refused the turn: {refusal}")
+        self.refusal = refusal

@@ -38,7 +38,6 @@ from .continuation import (
     logprobs_tempered,
     merge_segments,
 )
-from .errors import ProxyError
 from .failures import (
     Failure,
     IdempotencyKeyReused,
@@ -473,6 +472,6 @@ class TurnService:
         except ShuttingDown:  # the gate closed for shutdown while the turn waited
             self._counters.turns_cancelled += 1
             raise
-        except (ProxyError, Failure):  # upstream errors, aborts
+        except Failure:  # upstream failures, aborts
             self._counters.turns_failed += 1
             raise

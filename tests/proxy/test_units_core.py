@@ -15,6 +15,7 @@ from rolloutfleet_proxy.failures import (
     SessionEnded,
     SessionExists,
     UnknownSession,
+    UpstreamFailed,
 )
 from rolloutfleet_proxy.heap import HeapTrimmer, resolve_malloc_trim
 from rolloutfleet_proxy.history import EMPTY_DIGEST, InvalidMessage, canonical_message, extend_digest
@@ -274,9 +275,9 @@ def test_parse_generate_answer_keeps_the_tokens_of_an_aborted_generation():
     ],
 )
 def test_parse_generate_answer_rejects_inconsistent(body):
-    with pytest.raises(ProxyError) as error:
+    with pytest.raises(UpstreamFailed) as error:
         parse_generate_answer(body)
-    assert error.value.status == 502
+    assert http_error(error.value).status == 502
 
 
 # --- chat requests -------------------------------------------------------------------------------
