@@ -30,7 +30,7 @@ from .dumps import (
 )
 from .ids import is_valid_session_id
 from .journal import journal_dir, list_segments
-from .journal_records import CREATE, END, FINISH, REWARD, TURN, Record, incarnation, scan, turn_fields
+from .journal_records import CREATE, END, FINISH, REWARD, TURN, Record, incarnation, recorded_turn, scan
 from .session import Session
 
 log = logging.getLogger("rolloutfleet.proxy.recovery")
@@ -109,7 +109,7 @@ class Replay:
             self._lose(session, f"turn {index} holds {problem}")
             return
         try:
-            session.append_turn(body.new_input_ids, body.output_ids, body.output_logprobs, **turn_fields(h))
+            session.append_turn(recorded_turn(record))
             session.committed_turns = session.num_turns  # journaled, so durable: it may be replayed
         except (KeyError, TypeError, ValueError) as exc:
             self._lose(session, f"turn {index} cannot be applied: {exc}")

@@ -8,12 +8,10 @@ before answering. Without a dump directory (dropping sessions was chosen) nothin
 from __future__ import annotations
 
 import asyncio
-from array import array
-from typing import Unpack
 
 from . import journal_records as records
 from .journal import Journal, StorageHealth
-from .session import Session, TurnFields
+from .session import RecordedTurn, Session
 
 
 class SessionLog:
@@ -42,25 +40,9 @@ class SessionLog:
             )
         )
 
-    def turn(
-        self,
-        session: Session,
-        turn_index: int,
-        new_input_ids: array,
-        output_ids: array,
-        output_logprobs: array,
-        **turn: Unpack[TurnFields],
-    ) -> asyncio.Future | None:
+    def turn(self, session: Session, turn_index: int, turn: RecordedTurn) -> asyncio.Future | None:
         return self._append(
-            lambda: records.turn_record(
-                session.session_id,
-                session.key_digest,
-                turn_index,
-                new_input_ids,
-                output_ids,
-                output_logprobs,
-                **turn,
-            )
+            lambda: records.turn_record(session.session_id, session.key_digest, turn_index, turn)
         )
 
     def rewarded(self, session: Session, value: float, turn: int | None) -> asyncio.Future | None:

@@ -58,7 +58,7 @@ from .history import extend_digest, tools_digest
 from .lifecycle import InFlightTurns
 from .openai_format import ChatRequest
 from .replies import Reply, ReplyBuilder, prompt_opens_reasoning
-from .session import Session, TurnFields
+from .session import RecordedTurn, Session
 from .session_log import SessionLog
 from .stats import Counters
 from .store import SessionStore
@@ -335,13 +335,16 @@ class TurnService:
                     parent, keep, own = new.parent, new.keep, new.own_ids
                 else:  # the same prompt as the first sample: stored once, under it
                     parent, keep, own = call, new.keep + len(new.own_ids), array("i")
-                fields = TurnFields(
+                recorded = RecordedTurn(
+                    own,
+                    generation.output_ids,
+                    generation.logprobs,
                     message_count=len(request.messages) + 1,
                     history_digest=extend_digest(new.placement.history_digest, [reply.message()]),
                     stopped=stop_token is not None,
                     stop_token=stop_token,
                     model_version=turn.version,
-                    version_changes=turn.version_changes,
+                    version_changes=tuple(turn.version_changes),
                     temperature=temperature,
                     tempered=tempered,
                     parent=parent,
@@ -354,15 +357,9 @@ class TurnService:
                     stop_string=generation.stop_string,
                     idempotency_key=key if index == 0 else None,
                 )
-                self._store.record_growth(
-                    session.append_turn(own, generation.output_ids, generation.logprobs, **fields)
-                )
+                self._store.record_growth(session.append_turn(recorded))
                 if self._log is not None:  # in the append's synchronous step: journal order = change order
-                    pending.append(
-                        self._log.turn(
-                            session, turn_index, own, generation.output_ids, generation.logprobs, **fields
-                        )
-                    )
+                    pending.append(self._log.turn(session, turn_index, recorded))
                 choices.append(
                     Choice(
                         turn_index,

@@ -22,7 +22,7 @@ from rolloutfleet_proxy.dumps import (
 )
 from rolloutfleet_proxy.heap import HeapTrimmer
 from rolloutfleet_proxy.ids import key_digest
-from rolloutfleet_proxy.session import Session
+from rolloutfleet_proxy.session import RecordedTurn, Session
 from rolloutfleet_proxy.stats import Counters, Gauges
 from rolloutfleet_proxy.store import SessionStore
 from safetensors.numpy import load_file
@@ -32,13 +32,15 @@ def make_session(sid: str, turns: int = 2, idle_s: float = 0.0) -> Session:
     session = Session(sid, key_digest("key-" + sid), {"task": sid})
     for t in range(turns):
         session.append_turn(
-            array("i", [t, t + 1]),
-            array("i", [40 + t] * 3),
-            array("f", [-0.25 * (t + 1)] * 3),
-            message_count=2 * (t + 1),
-            history_digest=bytes([t]) * 32,
-            stopped=t % 2 == 0,
-            stop_token=43 if t % 2 == 0 else None,
+            RecordedTurn(
+                array("i", [t, t + 1]),
+                array("i", [40 + t] * 3),
+                array("f", [-0.25 * (t + 1)] * 3),
+                message_count=2 * (t + 1),
+                history_digest=bytes([t]) * 32,
+                stopped=t % 2 == 0,
+                stop_token=43 if t % 2 == 0 else None,
+            ),
         )
     session.set_reward(2.0, None)
     session.last_active = time.monotonic() - idle_s
@@ -157,13 +159,15 @@ async def test_cleanup_during_turn_waits_for_the_turn(tmp_path: Path):
     async with session.lock:
         assert await cleaner.run_once() == 0
         session.append_turn(
-            array("i", [9]),
-            array("i", [8]),
-            array("f", [-1.0]),
-            message_count=4,
-            history_digest=b"\x02" * 32,
-            stopped=False,
-            stop_token=None,
+            RecordedTurn(
+                array("i", [9]),
+                array("i", [8]),
+                array("f", [-1.0]),
+                message_count=4,
+                history_digest=b"\x02" * 32,
+                stopped=False,
+                stop_token=None,
+            ),
         )
         session.touch()
     await asyncio.sleep(0.1)

@@ -193,20 +193,22 @@ def test_sigterm_during_startup_keeps_restored_sessions(test_tokenizer_dir, tmp_
 
     from rolloutfleet_proxy.dumps import write_session_dump
     from rolloutfleet_proxy.ids import key_digest
-    from rolloutfleet_proxy.session import Session
+    from rolloutfleet_proxy.session import RecordedTurn, Session
 
     dumps = tmp_path / "dumps"
     expected = {}
     for i in range(3):
         session = Session(f"restored-{i:03d}", key_digest("k"))
         session.append_turn(
-            array("i", [1, 2, 3 + i]),
-            array("i", [9, 9]),
-            array("f", [-0.5, -0.25]),
-            message_count=2,
-            history_digest=b"\x01" * 32,
-            stopped=False,
-            stop_token=None,
+            RecordedTurn(
+                array("i", [1, 2, 3 + i]),
+                array("i", [9, 9]),
+                array("f", [-0.5, -0.25]),
+                message_count=2,
+                history_digest=b"\x01" * 32,
+                stopped=False,
+                stop_token=None,
+            ),
         )
         write_session_dump(dumps, LIVE_AREA, session.to_record(), "drain")
         expected[session.session_id] = session.token_ids.tolist()

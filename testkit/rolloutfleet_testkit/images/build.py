@@ -382,6 +382,7 @@ def _file_step(
     step = steps_dir / key
     upper = step / "upper"
     if (step / "layer.tar").exists():
+        os.utime(step)  # used now: pruning spares it (another checkout's image may need it)
         state.layers.append(upper)
         state.key = key
         return
@@ -408,10 +409,16 @@ def _file_step(
     state.key = key
 
 
-def prune_layers(keep: set[Path]) -> list[Path]:
+# Steps used more recently than this are kept although the images built now do not use them: they
+# belong to another checkout's images (a CI clone beside a work tree), which may be running.
+PRUNE_UNUSED_FOR_S = 24 * 3600
+
+
+def prune_layers(keep: set[Path], unused_for_s: float = PRUNE_UNUSED_FOR_S) -> list[Path]:
     """Remove the cached build steps not in `keep` (the step directories of the images built now)
-    nor in the earlier stages those were copied from: a source change leaves the steps of the old
-    build behind, gigabytes for an image with torch. Returns what was removed."""
+    nor in the earlier stages those were copied from, and not used for `unused_for_s`: a source
+    change leaves the steps of the old build behind, gigabytes for an image with torch. Returns what
+    was removed."""
     steps_dir = images_cache() / "layers"
     keep, pending = set(keep), list(keep)
     while pending:  # and the earlier stages' steps a kept COPY --from step was made from
@@ -421,8 +428,9 @@ def prune_layers(keep: set[Path]) -> list[Path]:
                 keep.add(step)
                 pending.append(step)
     removed = []
+    stale_before = time.time() - unused_for_s
     for step in sorted(steps_dir.iterdir()) if steps_dir.exists() else ():
-        if step.is_dir() and step not in keep:
+        if step.is_dir() and step not in keep and step.stat().st_mtime < stale_before:
             shutil.rmtree(step, ignore_errors=True)
             removed.append(step)
     return removed
