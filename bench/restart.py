@@ -18,12 +18,12 @@ from array import array
 from pathlib import Path
 
 from common import IMAGES, progress, proxy_args, save_figure, save_result
-from rolloutfleet_proxy import journal_records as jr
-from rolloutfleet_proxy.dumps import LIVE_AREA, write_session_dump
 from rolloutfleet_proxy.ids import key_digest
-from rolloutfleet_proxy.journal import journal_dir, segment_path
-from rolloutfleet_proxy.recovery import recover
 from rolloutfleet_proxy.session import RecordedTurn
+from rolloutfleet_proxy.storage import journal_records as jr
+from rolloutfleet_proxy.storage.dumps import LIVE_AREA, write_session_dump
+from rolloutfleet_proxy.storage.journal import journal_dir, segment_path
+from rolloutfleet_proxy.storage.restore import recover
 from rolloutfleet_testkit.processes import ServerProcess, free_port
 
 ADMIN_KEY = "bench-admin-key"

@@ -59,8 +59,8 @@ from .lifecycle import InFlightTurns
 from .openai_format import ChatRequest
 from .replies import Reply, ReplyBuilder, prompt_opens_reasoning
 from .session import RecordedTurn, Session
-from .session_log import SessionLog
 from .stats import Counters
+from .storage import Pending, Storage
 from .store import SessionStore
 from .upstream import SGLangClient
 
@@ -142,6 +142,7 @@ class TurnService:
     def __init__(
         self,
         store: SessionStore,
+        storage: Storage,
         tokenizer: TurnTokenizer,
         upstream: SGLangClient,
         counters: Counters,
@@ -149,14 +150,13 @@ class TurnService:
         generation: GenerationControl,
         replies: ReplyBuilder,
         engine_logprobs: str = "tempered",
-        session_log: SessionLog | None = None,
         limits: TurnLimits | None = None,
         after_large_turn: Callable[[], None] | None = None,
     ):
         self._limits = limits or TurnLimits()
         self._after_large_turn = after_large_turn
         self._engine_logprobs = engine_logprobs
-        self._log = session_log
+        self._storage = storage
         self._generation = generation
         self._replies = replies
         self._store = store
@@ -256,8 +256,7 @@ class TurnService:
         if session.busy:
             self._counters.turns_busy_rejected += 1
             raise TurnInFlight(session.session_id)
-        if self._log is not None:
-            self._log.require_writable("this turn was not run")
+        self._storage.require_writable("this turn was not run")
         t_lock = time.perf_counter()
         with self._in_flight.turn():
             return await self._locked_turn(session, request, timings, t_lock)
@@ -317,7 +316,7 @@ class TurnService:
         mark = session.mark()
         call = session.num_turns
         choices: list[Choice] = []
-        pending: list = []
+        pending: list[Pending] = []
         try:
             for index, turn in enumerate(samples):
                 generation = turn.generation
@@ -358,8 +357,8 @@ class TurnService:
                     idempotency_key=key if index == 0 else None,
                 )
                 self._store.record_growth(session.append_turn(recorded))
-                if self._log is not None:  # in the append's synchronous step: journal order = change order
-                    pending.append(self._log.turn(session, turn_index, recorded))
+                # In the append's synchronous step: the journal's order is the order of the changes.
+                pending.append(self._storage.turn(session, turn_index, recorded))
                 choices.append(
                     Choice(
                         turn_index,
@@ -369,11 +368,10 @@ class TurnService:
                         generation.logprobs,
                     )
                 )
-            if self._log is not None:
-                t_journal = time.perf_counter()
-                for record in pending:
-                    await self._log.commit(record)
-                timings["journal_ms"] = _ms(t_journal, time.perf_counter())
+            t_journal = time.perf_counter()
+            for record in pending:
+                await self._storage.commit(record)
+            timings["journal_ms"] = _ms(t_journal, time.perf_counter())
         except Failure:
             # Not durable, so not delivered: the session is as it was, the client may retry the turn.
             removed = session.rollback(mark)

@@ -9,14 +9,15 @@ from array import array
 from pathlib import Path
 
 import pytest
-from rolloutfleet_proxy import journal_records as jr
-from rolloutfleet_proxy.dumps import LIVE_AREA, load_session_file, write_session_dump
 from rolloutfleet_proxy.errors import http_error
 from rolloutfleet_proxy.failures import StorageUnavailable
 from rolloutfleet_proxy.ids import key_digest
-from rolloutfleet_proxy.journal import Journal, StorageHealth, journal_dir, list_segments
-from rolloutfleet_proxy.recovery import Replay, recover
 from rolloutfleet_proxy.session import RecordedTurn, Session
+from rolloutfleet_proxy.storage import journal_records as jr
+from rolloutfleet_proxy.storage.dumps import LIVE_AREA, load_session_file, write_session_dump
+from rolloutfleet_proxy.storage.health import StorageHealth
+from rolloutfleet_proxy.storage.journal import Journal, journal_dir, list_segments
+from rolloutfleet_proxy.storage.restore import Replay, recover
 
 KEY = key_digest("key-a")
 OTHER_KEY = key_digest("key-b")

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 from rolloutfleet_proxy.branching import attach, message_digests, place, request_digest, shared_prefix
-from rolloutfleet_proxy.dumps import FORMAT, LIVE_AREA, load_session_file, write_session_dump
 from rolloutfleet_proxy.session import RecordedTurn, Session
+from rolloutfleet_proxy.storage.dumps import FORMAT, LIVE_AREA, load_session_file, write_session_dump
 from rolloutfleet_wire import session_tree as tree
 from rolloutfleet_wire.session_record import EMPTY_DIGEST, ROOT
 from safetensors.numpy import load_file, save_file

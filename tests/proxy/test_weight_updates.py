@@ -263,7 +263,7 @@ def _session_spanning_an_update() -> Session:
 
 
 def test_a_dump_keeps_versions_inside_turns_and_temperatures(tmp_path):
-    from rolloutfleet_proxy.dumps import LIVE_AREA, load_session_file, write_session_dump
+    from rolloutfleet_proxy.storage.dumps import LIVE_AREA, load_session_file, write_session_dump
 
     record = _session_spanning_an_update().to_record()
     path = write_session_dump(tmp_path, LIVE_AREA, record, "drain")

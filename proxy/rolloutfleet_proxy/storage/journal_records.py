@@ -23,7 +23,7 @@ from typing import Any
 import orjson
 from rolloutfleet_wire.session_record import FINISH_UNKNOWN, NO_DIGEST, UNKNOWN_TEMPERATURE
 
-from .session import RecordedTurn
+from ..session import RecordedTurn
 
 MAGIC = b"RFJ1"
 _FRAME = struct.Struct("<4sII")  # magic, payload length, crc32
