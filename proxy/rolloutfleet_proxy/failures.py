@@ -250,23 +250,20 @@ class UpstreamTimedOut(Failure):
     code = ErrorCode.UPSTREAM_TIMEOUT
 
 
-class ContextLengthExceeded(Failure):
-    """SGLang refused the turn (400): the conversation has reached the model's context length."""
+class UpstreamRefused(Failure):
+    """SGLang refused the turn (400) as one it will not run: the client's problem, not a retry's."""
 
+    explanation: ClassVar[str] = ""
+
+    def __init__(self, refusal: str):
+        super().__init__(f"SGLang refused the turn: {refusal}{self.explanation}")
+        self.refusal = refusal
+
+
+class ContextLengthExceeded(UpstreamRefused):
     code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
-
-    def __init__(self, refusal: str):
-        super().__init__(
-            f"SGLang refused the turn: {refusal} (the conversation has reached the model's context length)"
-        )
-        self.refusal = refusal
+    explanation = " (the conversation has reached the model's context length)"
 
 
-class SamplingRefused(Failure):
-    """SGLang refused the turn (400) for its sampling parameters: the client's problem, not a retry's."""
-
+class SamplingRefused(UpstreamRefused):
     code = ErrorCode.INVALID_SAMPLING_PARAMS
-
-    def __init__(self, refusal: str):
-        super().__init__(f"SGLang refused the turn: {refusal}")
-        self.refusal = refusal
