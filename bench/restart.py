@@ -18,11 +18,12 @@ from array import array
 from pathlib import Path
 
 from common import IMAGES, progress, proxy_args, save_figure, save_result
-from rolloutfleet_proxy import journal_records as jr
-from rolloutfleet_proxy.dumps import LIVE_AREA, write_session_dump
 from rolloutfleet_proxy.ids import key_digest
-from rolloutfleet_proxy.journal import journal_dir, segment_path
-from rolloutfleet_proxy.recovery import recover
+from rolloutfleet_proxy.session import RecordedTurn
+from rolloutfleet_proxy.storage import journal_records as jr
+from rolloutfleet_proxy.storage.dumps import LIVE_AREA, write_session_dump
+from rolloutfleet_proxy.storage.journal import journal_dir, segment_path
+from rolloutfleet_proxy.storage.restore import recover
 from rolloutfleet_testkit.processes import ServerProcess, free_port
 
 ADMIN_KEY = "bench-admin-key"
@@ -46,17 +47,19 @@ def write_killed_journal(dump_dir: Path, sessions: int, tokens: int, turns: int)
                     sid,
                     key,
                     t,
-                    array("i", range(1000 + t, 1000 + t + per_side)),
-                    array("i", range(2000, 2000 + per_side)),
-                    array("f", [-0.25] * per_side),
-                    message_count=2 * (t + 1),
-                    history_digest=bytes(32),
-                    stopped=True,
-                    stop_token=2000 + per_side - 1,
-                    model_version=0,
-                    version_changes=[],
-                    temperature=1.0,
-                    tempered=True,
+                    RecordedTurn(
+                        array("i", range(1000 + t, 1000 + t + per_side)),
+                        array("i", range(2000, 2000 + per_side)),
+                        array("f", [-0.25] * per_side),
+                        message_count=2 * (t + 1),
+                        history_digest=bytes(32),
+                        stopped=True,
+                        stop_token=2000 + per_side - 1,
+                        model_version=0,
+                        version_changes=[],
+                        temperature=1.0,
+                        tempered=True,
+                    ),
                 )
             )
         data = b"".join(parts)

@@ -1,4 +1,5 @@
-"""Why the store, the journal, the export buffer, the generation gate and a turn refuse: domain exceptions.
+"""Why the store, the journal, the export buffer, the generation gate, the upstream and a turn refuse:
+domain exceptions.
 
 Each carries its ErrorCode and the facts, and knows no HTTP: `errors.http_error` is the one place
 they become an answer (status, headers). Raising one never changes state.
@@ -232,3 +233,37 @@ class UpstreamAborted(Failure):
             f"{abort_message}), longer than abort_ride_through_s; nothing was recorded, retry the turn"
         )
         self.attempts, self.abort_message, self.waited_s = attempts, abort_message, waited_s
+
+
+# --- the upstream (SGLang) ------------------------------------------------------------------------
+
+
+class UpstreamFailed(Failure):
+    """SGLang failed, could not be reached or answered what is not an answer: nothing was recorded."""
+
+    code = ErrorCode.UPSTREAM_ERROR
+
+
+class UpstreamTimedOut(Failure):
+    """SGLang did not answer within `upstream_timeout_s`: nothing was recorded."""
+
+    code = ErrorCode.UPSTREAM_TIMEOUT
+
+
+class UpstreamRefused(Failure):
+    """SGLang refused the turn (400) as one it will not run: the client's problem, not a retry's."""
+
+    explanation: ClassVar[str] = ""
+
+    def __init__(self, refusal: str):
+        super().__init__(f"SGLang refused the turn: {refusal}{self.explanation}")
+        self.refusal = refusal
+
+
+class ContextLengthExceeded(UpstreamRefused):
+    code = ErrorCode.CONTEXT_LENGTH_EXCEEDED
+    explanation = " (the conversation has reached the model's context length)"
+
+
+class SamplingRefused(UpstreamRefused):
+    code = ErrorCode.INVALID_SAMPLING_PARAMS

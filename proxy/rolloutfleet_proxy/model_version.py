@@ -15,9 +15,21 @@ from .admission import (
 )
 from .export_buffer import ExportBuffer
 from .generation import GenerationControl
-from .state_file import ProxyState
 from .stats import AdmissionCounters
+from .storage.state_file import ProxyState
 from .store import SessionStore
+
+
+def persisted_state(generation: GenerationControl, admission: AdmissionCounters) -> ProxyState:
+    """What the state file keeps across restarts."""
+    return ProxyState(
+        model_version=generation.model_version,
+        paused=generation.paused,
+        enqueued=admission.enqueued,
+        accepted=admission.accepted,
+        rejected=admission.rejected,
+        refused=admission.refused,
+    )
 
 
 class ModelVersions:
@@ -46,15 +58,17 @@ class ModelVersions:
             self._limits, self._generation.model_version, self._admission.accepted, self._store.running
         )
 
-    def persisted_state(self) -> ProxyState:
-        return ProxyState(
-            model_version=self._generation.model_version,
-            paused=self._generation.paused,
-            enqueued=self._admission.enqueued,
-            accepted=self._admission.accepted,
-            rejected=self._admission.rejected,
-            refused=self._admission.refused,
-        )
+    def restore(self, state: ProxyState | None) -> None:
+        """Take back the model version, the pause and the counters a predecessor saved."""
+        if state is None:
+            return
+        self._generation.model_version = state.model_version
+        if state.paused:
+            self._generation.pause()
+        self._admission.enqueued = state.enqueued
+        self._admission.accepted = state.accepted  # rebased once the sessions are restored
+        self._admission.rejected = state.rejected
+        self._admission.refused = state.refused
 
     def rebase_after_restore(self) -> None:
         # Counting restarts here: anchor `accepted` to the recovered version (a counter restarted

@@ -46,11 +46,12 @@ def operation_router(
             return error_response(503, ErrorCode.DRAINING, "the proxy is draining for shutdown")
         if not runtime.lifecycle.serving:
             return error_response(503, ErrorCode.STARTING, "the proxy is starting")
-        if not runtime.storage.ok:
+        health = runtime.storage.health
+        if not health.ok:
             return error_response(
                 503,
                 ErrorCode.STORAGE_UNAVAILABLE,
-                f"the proxy cannot write to its dump volume: {runtime.storage.reason}",
+                f"the proxy cannot write to its dump volume: {health.reason}",
             )
         return json_response({"status": "ready"})
 

@@ -1,43 +1,37 @@
 """The proxy's parts wired together, and their life: restore on start, the background tasks, the
-drain on stop."""
+drain on stop. The one place that chooses the storage: a dump directory, or none."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 from typing import Any
 
 from .admission import AdmissionLimits
 from .chat_tokens import TurnTokenizer
-from .cleanup import SessionWriter, StaleSessionCleaner
-from .compaction import Compactor
-from .dumps import check_writable, probe_writable
+from .cleanup import StaleSessionCleaner
 from .export_buffer import ExportBuffer
 from .exports import ExportService
 from .generation import GenerationControl
 from .heap import HeapTrimmer
-from .journal import Journal, StorageHealth, journal_dir
 from .lifecycle import InFlightTurns, Lifecycle
 from .looplag import LoopLagMonitor
-from .model_version import ModelVersions
+from .model_version import ModelVersions, persisted_state
 from .periodic import PeriodicTask
 from .replies import ReplyBuilder
-from .restore import restore_sessions, restore_state
 from .runtime_stats import runtime_stats
-from .session_log import SessionLog
 from .settings import ProxySettings
-from .shutdown import ShutdownWriter
-from .state_file import FLUSH_INTERVAL_S, StateKeeper
+from .shutdown import ShutdownDrain
 from .stats import AdmissionCounters, Counters, Gauges
+from .storage import DumpStorage, NoStorage, Storage
 from .store import SessionStore
 from .turns import TurnLimits, TurnService
 from .upstream import SGLangClient
 
 log = logging.getLogger("rolloutfleet.proxy")
-
-COMPACTION_CHECK_INTERVAL_S = 1.0
 
 
 class ProxyRuntime:
@@ -53,55 +47,34 @@ class ProxyRuntime:
         )
         self.store = SessionStore(settings.tombstone_capacity, self.admission)
         self.generation = GenerationControl(settings.paused_turn_timeout_s)
-        self.storage = StorageHealth()
-        self.journal = (
-            Journal(
-                journal_dir(settings.dump_dir),
-                self.storage,
-                settings.durability,
-                settings.journal_flush_interval_s,
-            )
-            if settings.dump_dir
-            else None
-        )
-        self.log = SessionLog(self.journal, self.storage)
+        self.storage = self._choose_storage(settings)
         self.exports = ExportService(
             self.store,
             ExportBuffer(settings.tombstone_capacity),
             self.generation,
             self.counters,
-            settings.dump_dir,
+            self.storage,
             settings.export_ttl_s,
-            drop_without_dump=settings.allow_dropping_sessions,
-            session_log=self.log,
         )
         self.versions = ModelVersions(
-            self.generation, self.admission, self.limits, self.store, self.exports.buffer, self.save_state
-        )
-        self.state = (
-            StateKeeper(settings.dump_dir, self.versions.persisted_state, self.counters)
-            if settings.dump_dir
-            else None
+            self.generation,
+            self.admission,
+            self.limits,
+            self.store,
+            self.exports.buffer,
+            self.storage.save_state,
         )
         self.trimmer = HeapTrimmer(enabled=settings.trim_heap)
         self.gauges.trim_available = self.trimmer.available
-        self.writer = SessionWriter(settings.dump_dir, settings.dump_write_concurrency, self.counters)
         self.loop_lag = LoopLagMonitor()
         self.cleaner = StaleSessionCleaner(
             self.store,
-            self.writer,
+            self.storage,
             self.trimmer,
             self.counters,
             self.gauges,
             timeout_s=settings.stale_session_timeout_s,
             interval_s=settings.cleanup_interval_s,
-            drop_without_dump=settings.allow_dropping_sessions,
-            session_log=self.log,
-        )
-        self.compactor = (
-            Compactor(self.store, self.writer, self.journal, settings.dump_dir, self.counters)
-            if self.journal is not None and settings.dump_dir is not None
-            else None
         )
         self.tokenizer = tokenizer
         self.upstream: SGLangClient | None = None
@@ -111,21 +84,37 @@ class ProxyRuntime:
         self._cycle_lock = asyncio.Lock()
         self._sweep_lock = asyncio.Lock()
         self.background = self._background_tasks()
-        self.shutdown = ShutdownWriter(
+        self.shutdown = ShutdownDrain(
             self.lifecycle,
             self.in_flight,
             self.generation,
             self.store,
             self.exports,
-            self.writer,
-            self.journal,
+            self.storage,
             self.counters,
             (self._cycle_lock, self._sweep_lock),
-            self.save_state,
             settings.drain_grace_s,
         )
         self._loop_lag_task: asyncio.Task | None = None
         self._trim_task: asyncio.Task | None = None
+
+    def _choose_storage(self, settings: ProxySettings) -> Storage:
+        """A dump directory's storage, or none (dropping sessions was chosen: settings refuse no dump
+        directory otherwise)."""
+        if settings.dump_dir is None:
+            return NoStorage(self.counters)
+        return DumpStorage(
+            settings.dump_dir,
+            self.counters,
+            held_sessions=self.store.all_sessions,
+            state=functools.partial(persisted_state, self.generation, self.admission),
+            durability=settings.durability,
+            journal_flush_interval_s=settings.journal_flush_interval_s,
+            journal_compact_bytes=settings.journal_compact_bytes,
+            check_interval_s=settings.storage_check_interval_s,
+            write_concurrency=settings.dump_write_concurrency,
+            lost_capacity=settings.tombstone_capacity,
+        )
 
     def _background_tasks(self) -> dict[str, PeriodicTask]:
         settings, counters = self.settings, self.counters
@@ -135,9 +124,6 @@ class ProxyRuntime:
 
         def count_cleanup_error() -> None:
             counters.cleanup_errors += 1
-
-        def count_compaction_failure() -> None:
-            counters.compaction_failures += 1
 
         tasks = [
             PeriodicTask(
@@ -164,39 +150,13 @@ class ProxyRuntime:
                     on_failure=count_cleanup_error,
                 )
             )
-        if self.state is not None:
-            # Counters change with every session, too often for a write each.
-            tasks.append(PeriodicTask("state-flush", FLUSH_INTERVAL_S, self.state.flush_if_changed))
-        if self.journal is not None and self.compactor is not None:
-            journal, compactor = self.journal, self.compactor
-            tasks.append(
-                PeriodicTask(
-                    "storage-check",  # honest readiness even when no request writes
-                    self._storage_check_interval,
-                    self.check_storage,
-                )
-            )
-            tasks.append(
-                PeriodicTask(
-                    "journal-compaction",
-                    COMPACTION_CHECK_INTERVAL_S,
-                    compactor.compact,
-                    lock=self._cycle_lock,  # not during a cleanup cycle's writes
-                    due=lambda: journal.total_bytes >= settings.journal_compact_bytes and self.storage.ok,
-                    finished=draining,
-                    on_failure=count_compaction_failure,
-                )
-            )
+        tasks += self.storage.background_tasks(self._cycle_lock, draining)
         return {task.name: task for task in tasks}
 
     async def _log_stats(self) -> None:
         log.info("stats", extra={"fields": self.stats()})
 
-    # --- state file, stats ---------------------------------------------------------------------
-
-    async def save_state(self) -> bool:
-        """Write the state file now (True when written; also True without a dump directory)."""
-        return await self.state.save() if self.state is not None else True
+    # --- stats ---------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         return runtime_stats(self)
@@ -204,9 +164,7 @@ class ProxyRuntime:
     # --- life ---------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        dump_dir = self.settings.dump_dir
-        if dump_dir is not None:
-            await asyncio.to_thread(check_writable, dump_dir)
+        await self.storage.open()
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(
                 TurnTokenizer.from_path,
@@ -221,6 +179,7 @@ class ProxyRuntime:
         )
         self.turns = TurnService(
             self.store,
+            self.storage,
             self.tokenizer,
             self.upstream,
             self.counters,
@@ -228,7 +187,6 @@ class ProxyRuntime:
             self.generation,
             ReplyBuilder(self.tokenizer, self.settings.tool_call_parser, self.settings.reasoning_parser),
             self.settings.engine_logprobs,
-            self.log,
             TurnLimits(
                 self.settings.max_new_message_bytes,
                 self.settings.offload_templating_bytes,
@@ -237,17 +195,8 @@ class ProxyRuntime:
             ),
             self.request_heap_trim,
         )
-        if dump_dir is not None:
-            await restore_state(dump_dir, self.generation, self.admission, self.counters)
-            assert self.journal is not None
-            await restore_sessions(
-                dump_dir,
-                self.settings.tombstone_capacity,
-                self.store,
-                self.journal,
-                self.counters,
-                self.trimmer,
-            )
+        self.versions.restore(await self.storage.restore_state())
+        await self._restore_sessions()
         await self.exports.restore()
         self.versions.rebase_after_restore()
         for task in self.background.values():
@@ -283,8 +232,18 @@ class ProxyRuntime:
                 await self._loop_lag_task
         if self.upstream is not None:
             await self.upstream.aclose()
-        if self.journal is not None:
-            await self.journal.close()
+        await self.storage.close()
+
+    async def _restore_sessions(self) -> None:
+        """Every session a predecessor held back into the store (nothing read is deleted)."""
+        restored = await self.storage.restore_sessions()
+        for session in restored.sessions:
+            self.store.add(session)
+        for session_id, why in restored.lost.items():
+            self.store.mark_lost(session_id, why)
+        del restored
+        if self.trimmer.available:  # a replay grows arrays step by step: give the slack back
+            await asyncio.to_thread(self.trimmer.trim)
 
     def request_drain(self) -> asyncio.Task:
         return self.shutdown.request()
@@ -299,18 +258,3 @@ class ProxyRuntime:
                 self.counters.heap_trims += 1
 
         self._trim_task = asyncio.create_task(trim(), name="heap-trim")
-
-    def _storage_check_interval(self) -> float:
-        interval = self.settings.storage_check_interval_s
-        return interval if self.storage.ok else min(interval, 1.0)
-
-    async def check_storage(self) -> bool:
-        """Probe the dump volume (write + fsync)."""
-        assert self.settings.dump_dir is not None
-        try:
-            await asyncio.to_thread(probe_writable, self.settings.dump_dir)
-        except OSError as exc:
-            self.storage.fail(f"{type(exc).__name__}: {exc}")
-            return False
-        self.storage.recover()
-        return True

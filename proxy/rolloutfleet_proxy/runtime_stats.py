@@ -50,30 +50,6 @@ def runtime_stats(runtime: ProxyRuntime) -> dict[str, Any]:
     stats["export_trajectories"] = buffer.trajectories
     stats["export_bytes"] = buffer.bytes
     stats["admission"] = admission_stats(runtime)
-    storage = runtime.storage
-    stats["storage_writable"] = storage.ok
-    stats["storage"] = {
-        "writable": storage.ok,
-        "reason": storage.reason,
-        "since": storage.since,
-        "failures": storage.failures,
-        "durability": runtime.settings.durability if runtime.journal is not None else "none",
-    }
-    journal = runtime.journal.stats if runtime.journal is not None else None
-    compactor = runtime.compactor
-    stats["journal_bytes"] = runtime.journal.total_bytes if runtime.journal is not None else 0
-    stats["journal"] = {
-        "records": journal.records if journal else 0,
-        "syncs": journal.syncs if journal else 0,
-        "bytes_written": journal.bytes_written if journal else 0,
-        "write_failures": journal.write_failures if journal else 0,
-        "segments": len(journal.sizes) if journal else 0,
-        "segments_retired": journal.segments_retired if journal else 0,
-        "commit_wait_mean_ms": round(1000 * journal.commit_wait_s / journal.commits, 3)
-        if journal and journal.commits
-        else 0.0,
-        "last_compaction_seconds": compactor.last_seconds if compactor else 0.0,
-        "compacting": bool(compactor and compactor.running),
-    }
+    stats.update(runtime.storage.stats())
     stats["sessions_lost"] = store.lost_count
     return stats

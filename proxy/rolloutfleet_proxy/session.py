@@ -7,7 +7,8 @@ import math
 import time
 from array import array
 from collections.abc import Sequence
-from typing import Any, NotRequired, TypedDict, Unpack
+from dataclasses import dataclass
+from typing import Any
 
 from rolloutfleet_wire import session_tree as tree
 from rolloutfleet_wire.session_record import (
@@ -41,28 +42,34 @@ PER_TURN_ARRAYS = (
 PER_TURN_DIGESTS = ("turn_end_digests", "turn_request_digests")
 
 
-class TurnFields(TypedDict):
-    """What a turn records besides its tokens: Session.append_turn takes them, the journal's turn
-    record carries them."""
+@dataclass(frozen=True)
+class RecordedTurn:
+    """One turn as it is recorded: its tokens and everything it records besides them. Built once (by
+    the turn that generated it, or from its journal record on restore) and handed as it is to the
+    session (`Session.append_turn`) and the journal (`journal_records.turn_record`)."""
 
+    new_input_ids: array  # int32: the prompt ids the turn adds after what it keeps of its parent's path
+    output_ids: array  # int32
+    output_logprobs: array  # float32, one per output id
     message_count: int  # messages in the history after this turn's reply
     history_digest: bytes
     stopped: bool  # the output ended on a stop token
     stop_token: int | None
-    model_version: NotRequired[int]  # UNKNOWN_VERSION when not given
-    version_changes: NotRequired[Sequence[tuple[int, int]]]  # (output offset, version); none
-    temperature: NotRequired[float]  # UNKNOWN_TEMPERATURE
-    tempered: NotRequired[bool]  # False
-    # Where the turn sits in the tree; without them it continues the latest turn's whole path.
-    parent: NotRequired[int]
-    keep: NotRequired[int]
-    call: NotRequired[int]  # the first turn of its request; itself when not given
-    request_digest: NotRequired[bytes]  # NO_DIGEST: not replayable
-    finish: NotRequired[int]  # FINISH_* code
-    flags: NotRequired[int]  # FLAG_* bits
-    created: NotRequired[float]  # unix time of the reply; 0 when not given
-    stop_string: NotRequired[str | None]
-    idempotency_key: NotRequired[str | None]  # the key's digest (hex), on a call's first turn
+    model_version: int = UNKNOWN_VERSION  # the version its generation started under
+    version_changes: Sequence[tuple[int, int]] = ()  # (output offset, version) where a weight update hit
+    temperature: float = UNKNOWN_TEMPERATURE
+    tempered: bool = False
+    # Where the turn sits in the tree; None (journal records written before trees): it continues the
+    # latest turn's whole path, and is the first turn of its own call.
+    parent: int | None = None
+    keep: int | None = None
+    call: int | None = None  # the first turn of its request
+    request_digest: bytes = NO_DIGEST  # NO_DIGEST: not replayable
+    finish: int = FINISH_UNKNOWN  # FINISH_* code
+    flags: int = 0  # FLAG_* bits
+    created: float = 0.0  # unix time of the reply
+    stop_string: str | None = None
+    idempotency_key: str | None = None  # the key's digest (hex), on a call's first turn
 
 
 def _owned(value: Any) -> Any:
@@ -136,65 +143,60 @@ class Session(SessionRecord):
     def idle_seconds(self, now: float) -> float:
         return now - self.last_active
 
-    def append_turn(
-        self, new_input_ids: array, output_ids: array, output_logprobs: array, **turn: Unpack[TurnFields]
-    ) -> int:
-        """Record one completed turn, generated under `model_version` from its first output token and
-        under each of `version_changes` (offset into output_ids, version) from that offset on;
-        returns the number of tokens added. Inputs are validated first."""
-        version_changes = turn.get("version_changes", ())
-        if len(output_ids) != len(output_logprobs):
+    def append_turn(self, turn: RecordedTurn) -> int:
+        """Record one completed turn, generated under `turn.model_version` from its first output token
+        and under each of `turn.version_changes` (offset into output_ids, version) from that offset on;
+        returns the number of tokens added. The turn is validated first."""
+        if len(turn.output_ids) != len(turn.output_logprobs):
             raise ValueError("output ids and logprobs differ in length")
-        if any(not 0 < offset < len(output_ids) for offset, _ in version_changes):
+        if any(not 0 < offset < len(turn.output_ids) for offset, _ in turn.version_changes):
             raise ValueError("version changes must fall inside the output")
         index = self.num_turns
-        parent = turn.get("parent", index - 1)
+        parent = index - 1 if turn.parent is None else turn.parent
         if not ROOT <= parent < index:
             raise ValueError(f"turn {index} cannot continue turn {parent}")
-        keep = turn.get("keep", tree.path_length(self, parent))
+        keep = tree.path_length(self, parent) if turn.keep is None else turn.keep
         if not 0 <= keep <= tree.path_length(self, parent):
             raise ValueError(f"turn {index} cannot keep {keep} tokens of turn {parent}'s path")
         for name in ("history_digest", "request_digest"):
-            if len(turn.get(name, NO_DIGEST)) != DIGEST_BYTES:  # type: ignore[arg-type]
+            if len(getattr(turn, name)) != DIGEST_BYTES:
                 raise ValueError(f"{name} must be {DIGEST_BYTES} bytes")
+        call = index if turn.call is None else turn.call
         input_start = len(self.token_ids)
-        output_start = input_start + len(new_input_ids)
-        n_in, n_out = len(new_input_ids), len(output_ids)
+        output_start = input_start + len(turn.new_input_ids)
+        n_in, n_out = len(turn.new_input_ids), len(turn.output_ids)
         # Reserve all memory before mutating, so a failure cannot leave the arrays half-extended.
         zeros_in = bytes(n_in)
-        self.token_ids.extend(new_input_ids)
-        self.token_ids.extend(output_ids)
+        self.token_ids.extend(turn.new_input_ids)
+        self.token_ids.extend(turn.output_ids)
         self.loss_mask.frombytes(zeros_in)
         self.loss_mask.frombytes(b"\x01" * n_out)
         self.logprobs.frombytes(bytes(4 * n_in))
-        self.logprobs.extend(output_logprobs)
+        self.logprobs.extend(turn.output_logprobs)
         self.turn_bounds.extend((input_start, output_start, output_start + n_out))
-        self.turn_versions.append(turn.get("model_version", UNKNOWN_VERSION))
-        for offset, version in version_changes:
+        self.turn_versions.append(turn.model_version)
+        for offset, version in turn.version_changes:
             self.version_changes.extend((output_start + offset, version))
-        self.turn_temperatures.append(turn.get("temperature", UNKNOWN_TEMPERATURE))
-        self.turn_tempered.append(1 if turn.get("tempered", False) else 0)
+        self.turn_temperatures.append(turn.temperature)
+        self.turn_tempered.append(1 if turn.tempered else 0)
         self.turn_parents.append(parent)
         self.turn_keeps.append(keep)
-        self.turn_calls.append(turn.get("call", index))
-        stop_token = turn["stop_token"]
-        self.turn_stop_tokens.append(NO_STOP_TOKEN if stop_token is None else stop_token)
-        self.turn_message_counts.append(turn["message_count"])
-        self.turn_end_digests.frombytes(turn["history_digest"])
-        self.turn_request_digests.frombytes(turn.get("request_digest", NO_DIGEST))
-        self.turn_finishes.append(turn.get("finish", FINISH_UNKNOWN))
-        self.turn_flags.append(turn.get("flags", 0))
-        self.turn_created.append(turn.get("created", 0.0))
-        stop_string = turn.get("stop_string")
-        if stop_string:
-            self.turn_stop_strings[index] = stop_string
-        key = turn.get("idempotency_key")
-        if key:
-            self.idempotency_keys[key] = turn.get("call", index)
-        self.message_count = turn["message_count"]
-        self.history_digest = turn["history_digest"]
-        self.last_output_stopped = turn["stopped"]
-        self.last_stop_token = turn["stop_token"]
+        self.turn_calls.append(call)
+        self.turn_stop_tokens.append(NO_STOP_TOKEN if turn.stop_token is None else turn.stop_token)
+        self.turn_message_counts.append(turn.message_count)
+        self.turn_end_digests.frombytes(turn.history_digest)
+        self.turn_request_digests.frombytes(turn.request_digest)
+        self.turn_finishes.append(turn.finish)
+        self.turn_flags.append(turn.flags)
+        self.turn_created.append(turn.created)
+        if turn.stop_string:
+            self.turn_stop_strings[index] = turn.stop_string
+        if turn.idempotency_key:
+            self.idempotency_keys[turn.idempotency_key] = call
+        self.message_count = turn.message_count
+        self.history_digest = turn.history_digest
+        self.last_output_stopped = turn.stopped
+        self.last_stop_token = turn.stop_token
         return n_in + n_out
 
     def set_reward(self, value: float, turn: int | None) -> None:

@@ -98,13 +98,13 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
                 "this proxy is near its memory budget; start the session on another one",
                 5,
             )
-        runtime.log.require_writable("the session was not created")
+        runtime.storage.require_writable("the session was not created")
         refuse_over_capacity()
         key = new_session_key()
         session = Session(session_id, key_digest(key), metadata)
         runtime.store.add(session)
         try:
-            await runtime.log.commit(runtime.log.created(session))
+            await runtime.storage.commit(runtime.storage.created(session))
         except Failure:
             runtime.store.discard_new(session)  # nobody has its key: as if it never was
             raise
@@ -147,7 +147,7 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
         runtime.counters.sessions_deleted += 1
         runtime.counters.sessions_evicted += 1
         try:
-            await runtime.log.commit(runtime.log.ended(session, "deleted by the client"))
+            await runtime.storage.commit(runtime.storage.ended(session, "deleted by the client"))
         except Failure as exc:
             raise DeletionNotDurable(session_id, exc) from None
         return Response(status_code=204)
@@ -176,7 +176,7 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
             raise bad_request(ErrorCode.INVALID_TURN, f"turn must be an integer in [0, {session.num_turns})")
         session.set_reward(float(value), turn)
         session.touch()
-        await runtime.log.commit(runtime.log.rewarded(session, float(value), turn))
+        await runtime.storage.commit(runtime.storage.rewarded(session, float(value), turn))
         return json_response(session.summary())
 
     @router.post("/v1/sessions/{session_id}/finish")
@@ -187,7 +187,7 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
         if runtime.store.mark_finished(session):
             session.touch()  # the trainer gets a whole stale timeout to export it
             runtime.counters.sessions_finished += 1
-            await runtime.log.commit(runtime.log.finished(session))
+            await runtime.storage.commit(runtime.storage.finished(session))
         return json_response(session.summary())
 
     return router

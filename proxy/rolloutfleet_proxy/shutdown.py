@@ -1,22 +1,19 @@
-"""The shutdown writer: on SIGTERM (or a stop without one) refuse new work, let the turns in flight
-finish, then write every live session, the unacknowledged export batches and the state file for the
-successor, and retire the journal those snapshots made redundant."""
+"""The shutdown drain: on SIGTERM (or a stop without one) refuse new work, let the turns in flight
+finish, then hand every live session, the unacknowledged export batches and the state to the storage
+for the successor (which then retires the journal those snapshots made redundant)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
 
-from .cleanup import SessionWriter
-from .dumps import LIVE_AREA, remove_other_dumps
 from .exports import ExportService
 from .generation import GenerationControl
-from .journal import Journal
 from .lifecycle import InFlightTurns, Lifecycle
 from .session import Session
 from .stats import Counters
+from .storage import Storage
 from .store import SessionStore
 
 log = logging.getLogger("rolloutfleet.proxy")
@@ -24,7 +21,7 @@ log = logging.getLogger("rolloutfleet.proxy")
 DRAIN_WRITE_ATTEMPTS = 3
 
 
-class ShutdownWriter:
+class ShutdownDrain:
     def __init__(
         self,
         lifecycle: Lifecycle,
@@ -32,11 +29,9 @@ class ShutdownWriter:
         generation: GenerationControl,
         store: SessionStore,
         exports: ExportService,
-        writer: SessionWriter,
-        journal: Journal | None,
+        storage: Storage,
         counters: Counters,
         background_locks: tuple[asyncio.Lock, ...],
-        save_state: Callable[[], Awaitable[bool]],
         grace_s: float,
     ):
         self._lifecycle = lifecycle
@@ -44,11 +39,9 @@ class ShutdownWriter:
         self._generation = generation
         self._store = store
         self._exports = exports
-        self._writer = writer
-        self._journal = journal
+        self._storage = storage
         self._counters = counters
         self._background_locks = background_locks  # held while writing: no background run meanwhile
-        self._save_state = save_state
         self._grace_s = grace_s
         self._task: asyncio.Task | None = None
 
@@ -77,8 +70,8 @@ class ShutdownWriter:
             async with self._store.lock:
                 sessions = self._store.detach_all()
             ok = await self._write_drained(sessions)
-            ok = await self._exports.write_for_shutdown() and ok
-        if not await self._save_state():
+            self._exports.release_for_shutdown()
+        if not await self._storage.save_state():
             log.error("the state file could not be written; the successor starts at model version 0")
         self._lifecycle.drain_finished(ok)
         fields = {
@@ -89,37 +82,20 @@ class ShutdownWriter:
         log.info("drain finished", extra={"fields": fields})
         return ok
 
-    async def _retire_journal(self, drained: set[str]) -> None:
-        """Every session is in its live/ snapshot now: the journal and older snapshots are redundant.
-        A failure here loses nothing (the next start replays the journal over the snapshots)."""
-        dump_dir = self._writer.dump_dir
-        if self._journal is None or dump_dir is None:
-            return
-        try:
-            await self._journal.close()
-            await asyncio.to_thread(remove_other_dumps, dump_dir, LIVE_AREA, drained)
-            await self._journal.retire(self._journal.segment_seq + 1)
-        except OSError as exc:
-            log.warning("drain: the journal could not be retired (%s); the next start replays it", exc)
-
     async def _write_drained(self, sessions: list[Session]) -> bool:
-        if self._writer.dump_dir is None:
-            for session in sessions:
-                self._store.forget(session, "shutdown: dropped (no dump directory)")
-            self._counters.sessions_dropped += len(sessions)
-            return True
+        """Every session to the storage, each failed write tried again; True when none was left."""
         pending = sessions
         drained: set[str] = set()
         for attempt in range(DRAIN_WRITE_ATTEMPTS):
-            outcome = await self._writer.write(pending, LIVE_AREA, "drain")
-            for session in outcome.written:
-                # Not remembered as ended: the session lives on in the next process.
-                self._store.forget(session, "written to the live area for the next process", remember=False)
+            written = await self._storage.write_drained(pending)
+            departure = written.departure
+            for session in written.done:
+                # A session that lives on in the next process is not remembered as ended here.
+                self._store.forget(session, departure.reason, remember=not departure.lives_on)
                 drained.add(session.session_id)
-            self._counters.sessions_drained += len(outcome.written)
-            pending = outcome.failed
+            pending = written.failed
             if not pending:
-                await self._retire_journal(drained)
+                await self._storage.drained(drained)
                 return True
             await asyncio.sleep(0.2 * (attempt + 1))
         for session in pending:

@@ -187,7 +187,7 @@ def trainer_router(runtime: ProxyRuntime, require_admin: Callable[[Request], Non
             raise bad_request(ErrorCode.INVALID_PARAMETER, f"wait_s must be from 0 to {MAX_PAUSE_WAIT_S:g}")
         refuse_while_draining()
         runtime.generation.pause()
-        persisted = await runtime.save_state()
+        persisted = await runtime.storage.save_state()
         if wait_s > 0:
             # Turns that passed the gate before the pause finish; wait for them, up to wait_s.
             with contextlib.suppress(TimeoutError):
@@ -199,7 +199,7 @@ def trainer_router(runtime: ProxyRuntime, require_admin: Callable[[Request], Non
         require_admin(request)
         refuse_while_draining()
         runtime.generation.resume()
-        persisted = await runtime.save_state()
+        persisted = await runtime.storage.save_state()
         return json_response({**runtime.versions.generation_state(), "persisted": persisted})
 
     return router

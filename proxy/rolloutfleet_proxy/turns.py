@@ -39,7 +39,6 @@ from .continuation import (
     logprobs_tempered,
     merge_segments,
 )
-from .errors import ProxyError
 from .failures import (
     Failure,
     IdempotencyKeyReused,
@@ -60,9 +59,9 @@ from .history import extend_digest, tools_digest
 from .lifecycle import InFlightTurns
 from .openai_format import ChatRequest
 from .replies import Reply, ReplyBuilder, prompt_opens_reasoning
-from .session import Session, TurnFields
-from .session_log import SessionLog
+from .session import RecordedTurn, Session
 from .stats import Counters
+from .storage import Pending, Storage
 from .store import SessionStore
 from .upstream import SGLangClient
 
@@ -146,6 +145,7 @@ class TurnService:
     def __init__(
         self,
         store: SessionStore,
+        storage: Storage,
         tokenizer: TurnTokenizer,
         upstream: SGLangClient,
         counters: Counters,
@@ -153,14 +153,13 @@ class TurnService:
         generation: GenerationControl,
         replies: ReplyBuilder,
         engine_logprobs: str = "tempered",
-        session_log: SessionLog | None = None,
         limits: TurnLimits | None = None,
         after_large_turn: Callable[[], None] | None = None,
     ):
         self._limits = limits or TurnLimits()
         self._after_large_turn = after_large_turn
         self._engine_logprobs = engine_logprobs
-        self._log = session_log
+        self._storage = storage
         self._generation = generation
         self._replies = replies
         self._store = store
@@ -260,8 +259,7 @@ class TurnService:
         if session.busy:
             self._counters.turns_busy_rejected += 1
             raise TurnInFlight(session.session_id)
-        if self._log is not None:
-            self._log.require_writable("this turn was not run")
+        self._storage.require_writable("this turn was not run")
         t_lock = time.perf_counter()
         with self._in_flight.turn():
             return await self._locked_turn(session, request, timings, t_lock)
@@ -321,7 +319,7 @@ class TurnService:
         mark = session.mark()
         call = session.num_turns
         choices: list[Choice] = []
-        pending: list = []
+        pending: list[Pending] = []
         try:
             for index, turn in enumerate(samples):
                 generation = turn.generation
@@ -339,13 +337,16 @@ class TurnService:
                     parent, keep, own = new.parent, new.keep, new.own_ids
                 else:  # the same prompt as the first sample: stored once, under it
                     parent, keep, own = call, new.keep + len(new.own_ids), array("i")
-                fields = TurnFields(
+                recorded = RecordedTurn(
+                    own,
+                    generation.output_ids,
+                    generation.logprobs,
                     message_count=len(request.messages) + 1,
                     history_digest=extend_digest(new.placement.history_digest, [reply.message()]),
                     stopped=stop_token is not None,
                     stop_token=stop_token,
                     model_version=turn.version,
-                    version_changes=turn.version_changes,
+                    version_changes=tuple(turn.version_changes),
                     temperature=temperature,
                     tempered=tempered,
                     parent=parent,
@@ -358,15 +359,9 @@ class TurnService:
                     stop_string=generation.stop_string,
                     idempotency_key=key if index == 0 else None,
                 )
-                self._store.record_growth(
-                    session.append_turn(own, generation.output_ids, generation.logprobs, **fields)
-                )
-                if self._log is not None:  # in the append's synchronous step: journal order = change order
-                    pending.append(
-                        self._log.turn(
-                            session, turn_index, own, generation.output_ids, generation.logprobs, **fields
-                        )
-                    )
+                self._store.record_growth(session.append_turn(recorded))
+                # In the append's synchronous step: the journal's order is the order of the changes.
+                pending.append(self._storage.turn(session, turn_index, recorded))
                 choices.append(
                     Choice(
                         turn_index,
@@ -376,11 +371,10 @@ class TurnService:
                         generation.logprobs,
                     )
                 )
-            if self._log is not None:
-                t_journal = time.perf_counter()
-                for record in pending:
-                    await self._log.commit(record)
-                timings["journal_ms"] = _ms(t_journal, time.perf_counter())
+            t_journal = time.perf_counter()
+            for record in pending:
+                await self._storage.commit(record)
+            timings["journal_ms"] = _ms(t_journal, time.perf_counter())
         except Failure:
             # Not durable, so not delivered: the session is as it was, the client may retry the turn.
             removed = session.rollback(mark)
@@ -490,6 +484,6 @@ class TurnService:
         except ShuttingDown:  # the gate closed for shutdown while the turn waited
             self._counters.turns_cancelled += 1
             raise
-        except (ProxyError, Failure):  # upstream errors, aborts
+        except Failure:  # upstream failures, aborts
             self._counters.turns_failed += 1
             raise

@@ -10,9 +10,8 @@ from typing import Any
 import aiohttp
 import numpy as np
 import orjson
-from rolloutfleet_wire.errors import ErrorCode
 
-from .errors import ProxyError, bad_request
+from .failures import ContextLengthExceeded, Failure, SamplingRefused, UpstreamFailed, UpstreamTimedOut
 
 # sglang-router's `manual` policy routes requests with the same key to the same engine.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -39,11 +38,6 @@ class Generation:
         return self.finish_reason == "abort"
 
 
-def upstream_error(status: int, message: str) -> ProxyError:
-    code = ErrorCode.UPSTREAM_TIMEOUT if status == 504 else ErrorCode.UPSTREAM_ERROR
-    return ProxyError(status, code, message)
-
-
 def sglang_error_message(body: bytes) -> str:
     """The message of an SGLang error answer (`{"error": {"message": ...}}`, or `{"message": ...}`
     as older releases and the router write it), else the body's first 300 characters."""
@@ -59,22 +53,19 @@ def sglang_error_message(body: bytes) -> str:
     return body[:300].decode(errors="replace")
 
 
-def refused_request(message: str) -> ProxyError:
+def refused_request(message: str) -> Failure:
     """SGLang answers 400 for requests it will not run (`TokenizerManager._validate_one_request`,
     `SamplingParams.verify`): the client's problem, not a retryable upstream failure."""
     if "context length" in message.lower():
-        return bad_request(
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"SGLang refused the turn: {message} (the conversation has reached the model's context length)",
-        )
-    return bad_request(ErrorCode.INVALID_SAMPLING_PARAMS, f"SGLang refused the turn: {message}")
+        return ContextLengthExceeded(message)
+    return SamplingRefused(message)
 
 
 def _loads(body: bytes) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
-        raise upstream_error(502, f"upstream answered with invalid JSON: {exc}") from None
+        raise UpstreamFailed(f"upstream answered with invalid JSON: {exc}") from None
 
 
 def parse_generate_answer(body: bytes) -> Generation:
@@ -92,13 +83,13 @@ def parse_generate_samples(body: bytes, n: int) -> list[Generation]:
     answer = _loads(body)
     results = answer if isinstance(answer, list) else [answer]
     if len(results) != n:
-        raise upstream_error(502, f"upstream answered {len(results)} results for n={n} samples")
+        raise UpstreamFailed(f"upstream answered {len(results)} results for n={n} samples")
     return [_generation(result) for result in results]
 
 
 def _generation(answer: object) -> Generation:
     if not isinstance(answer, dict) or not isinstance(answer.get("meta_info"), dict):
-        raise upstream_error(502, "upstream answer has no meta_info object")
+        raise UpstreamFailed("upstream answer has no meta_info object")
     meta: dict[str, Any] = answer["meta_info"]
     finish = meta.get("finish_reason") or {}
     finish_type = finish.get("type", "stop") if isinstance(finish, dict) else str(finish)
@@ -106,19 +97,17 @@ def _generation(answer: object) -> Generation:
     if token_logprobs is None and finish_type == "abort" and not answer.get("output_ids"):
         token_logprobs = []  # aborted before its first token (e.g. while queued)
     if not isinstance(token_logprobs, list):
-        raise upstream_error(
-            502, "upstream answer has no output_token_logprobs (was return_logprob honoured?)"
-        )
+        raise UpstreamFailed("upstream answer has no output_token_logprobs (was return_logprob honoured?)")
     try:
         logprobs = array("f", [float(entry[0]) for entry in token_logprobs])
         logprob_ids = [int(entry[1]) for entry in token_logprobs]
     except (TypeError, ValueError, IndexError):
-        raise upstream_error(
-            502, "upstream output_token_logprobs entries are not [logprob, token_id, ...]"
+        raise UpstreamFailed(
+            "upstream output_token_logprobs entries are not [logprob, token_id, ...]"
         ) from None
     output_ids = answer.get("output_ids", logprob_ids)
     if output_ids != logprob_ids:
-        raise upstream_error(502, "upstream output_ids disagree with the ids in output_token_logprobs")
+        raise UpstreamFailed("upstream output_ids disagree with the ids in output_token_logprobs")
     matched = finish.get("matched") if isinstance(finish, dict) else None
     stop_token = matched if isinstance(matched, int) and output_ids and output_ids[-1] == matched else None
     abort_message = None
@@ -129,7 +118,7 @@ def _generation(answer: object) -> Generation:
     rid = meta.get("id")
     text = answer.get("text", "")
     if not isinstance(text, str):
-        raise upstream_error(502, "upstream text is not a string")
+        raise UpstreamFailed("upstream text is not a string")
     return Generation(
         output_ids=array("i", output_ids),
         logprobs=logprobs,
@@ -216,7 +205,7 @@ class SGLangClient:
         routing_key: str | None,
         rid: str | None,
     ) -> bytes:
-        """POST /generate (non-streaming, output logprobs); the body of a 200, else a ProxyError."""
+        """POST /generate (non-streaming, output logprobs); the body of a 200, else the upstream's failure."""
         request: dict[str, Any] = {
             # An int32 array goes out through numpy: no Python int per token for long prompts.
             "input_ids": np.frombuffer(input_ids, dtype=np.int32)
@@ -238,12 +227,12 @@ class SGLangClient:
                 body = await response.read()
                 status = response.status
         except TimeoutError:
-            raise upstream_error(504, "upstream /generate timed out") from None
+            raise UpstreamTimedOut("upstream /generate timed out") from None
         except aiohttp.ClientError as exc:
-            raise upstream_error(502, f"upstream unreachable: {type(exc).__name__}: {exc}") from None
+            raise UpstreamFailed(f"upstream unreachable: {type(exc).__name__}: {exc}") from None
         if status == 400:
             raise refused_request(sglang_error_message(body))
         if status != 200:
             snippet = body[:300].decode(errors="replace")
-            raise upstream_error(502, f"upstream /generate answered {status}: {snippet}")
+            raise UpstreamFailed(f"upstream /generate answered {status}: {snippet}")
         return body

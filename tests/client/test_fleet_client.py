@@ -38,7 +38,7 @@ from rolloutfleet_client.retry import (
     retry_after_s,
 )
 from rolloutfleet_client.rollout_example import export_and_ack, run_rollouts
-from rolloutfleet_proxy.dumps import LIVE_AREA
+from rolloutfleet_proxy.storage.dumps import LIVE_AREA
 from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
 

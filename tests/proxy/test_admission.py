@@ -20,7 +20,7 @@ from rolloutfleet_proxy.admission import (
     rebased_accepted,
     staleness_capacity,
 )
-from rolloutfleet_proxy.state_file import STATE_FILE, ProxyState, decode_state, encode_state
+from rolloutfleet_proxy.storage.state_file import STATE_FILE, ProxyState, decode_state, encode_state
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
 

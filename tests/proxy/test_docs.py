@@ -122,7 +122,7 @@ def test_the_proxy_answers_only_with_error_code_members():
     undocumented, and unknown to the clients."""
     package = Path(rolloutfleet_proxy.__file__).parent
     literals = []
-    for path in sorted(package.glob("*.py")):
+    for path in sorted(package.rglob("*.py")):  # the subpackages too
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             codes = []
             if isinstance(node, ast.Call):

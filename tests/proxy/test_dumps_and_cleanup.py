@@ -10,8 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rolloutfleet_proxy.cleanup import SessionWriter, StaleSessionCleaner
-from rolloutfleet_proxy.dumps import (
+from rolloutfleet_proxy.cleanup import StaleSessionCleaner
+from rolloutfleet_proxy.heap import HeapTrimmer
+from rolloutfleet_proxy.ids import key_digest
+from rolloutfleet_proxy.session import RecordedTurn, Session
+from rolloutfleet_proxy.stats import Counters, Gauges
+from rolloutfleet_proxy.storage import DumpStorage, NoStorage, Storage
+from rolloutfleet_proxy.storage.dumps import (
     LIVE_AREA,
     STALE_AREA,
     DumpFormatError,
@@ -20,10 +25,7 @@ from rolloutfleet_proxy.dumps import (
     write_atomic,
     write_session_dump,
 )
-from rolloutfleet_proxy.heap import HeapTrimmer
-from rolloutfleet_proxy.ids import key_digest
-from rolloutfleet_proxy.session import Session
-from rolloutfleet_proxy.stats import Counters, Gauges
+from rolloutfleet_proxy.storage.state_file import ProxyState
 from rolloutfleet_proxy.store import SessionStore
 from safetensors.numpy import load_file
 
@@ -32,13 +34,15 @@ def make_session(sid: str, turns: int = 2, idle_s: float = 0.0) -> Session:
     session = Session(sid, key_digest("key-" + sid), {"task": sid})
     for t in range(turns):
         session.append_turn(
-            array("i", [t, t + 1]),
-            array("i", [40 + t] * 3),
-            array("f", [-0.25 * (t + 1)] * 3),
-            message_count=2 * (t + 1),
-            history_digest=bytes([t]) * 32,
-            stopped=t % 2 == 0,
-            stop_token=43 if t % 2 == 0 else None,
+            RecordedTurn(
+                array("i", [t, t + 1]),
+                array("i", [40 + t] * 3),
+                array("f", [-0.25 * (t + 1)] * 3),
+                message_count=2 * (t + 1),
+                history_digest=bytes([t]) * 32,
+                stopped=t % 2 == 0,
+                stop_token=43 if t % 2 == 0 else None,
+            ),
         )
     session.set_reward(2.0, None)
     session.last_active = time.monotonic() - idle_s
@@ -98,30 +102,48 @@ def test_loader_rejects_foreign_and_corrupt_files(tmp_path: Path):
         load_session_file(foreign)
 
 
+@pytest.fixture
+def counters() -> Counters:
+    return Counters()
+
+
+@pytest.fixture
+async def dump_storage(tmp_path: Path, counters: Counters):
+    """A dump directory's storage as a started proxy holds it: restored (from nothing), journal open."""
+    storage = DumpStorage(
+        tmp_path,
+        counters,
+        held_sessions=list,  # no compaction runs here
+        state=ProxyState,
+        durability="sync",
+        journal_flush_interval_s=0.05,
+        journal_compact_bytes=1 << 28,
+        check_interval_s=5.0,
+        write_concurrency=4,
+        lost_capacity=100,
+    )
+    await storage.restore_sessions()
+    yield storage
+    await storage.close()
+
+
 def make_cleaner(
-    tmp_path: Path | None, store: SessionStore, counters: Counters, timeout_s: float = 10, drop: bool = False
+    storage: Storage, store: SessionStore, counters: Counters, timeout_s: float = 10
 ) -> StaleSessionCleaner:
     return StaleSessionCleaner(
-        store,
-        SessionWriter(tmp_path, 4, counters),
-        HeapTrimmer(),
-        counters,
-        Gauges(),
-        timeout_s=timeout_s,
-        interval_s=1,
-        drop_without_dump=drop,
+        store, storage, HeapTrimmer(), counters, Gauges(), timeout_s=timeout_s, interval_s=1
     )
 
 
-async def test_cleanup_dumps_then_evicts_only_stale_idle_sessions(tmp_path: Path):
-    store, counters = SessionStore(), Counters()
+async def test_cleanup_dumps_then_evicts_only_stale_idle_sessions(tmp_path: Path, counters, dump_storage):
+    store = SessionStore()
     stale = [make_session(f"stale-{i:04d}", idle_s=60) for i in range(20)]
     fresh = make_session("fresh-0001", idle_s=1)
     busy = make_session("busy-00001", idle_s=60)
     for s in [*stale, fresh, busy]:
         store.add(s)
     await busy.lock.acquire()  # a turn in flight: never stale
-    evicted = await make_cleaner(tmp_path, store, counters).run_once()
+    evicted = await make_cleaner(dump_storage, store, counters).run_once()
     assert evicted == 20 and len(store) == 2 and counters.sessions_dumped == 20
     files = sorted((tmp_path / STALE_AREA).iterdir())
     assert len(files) == 20
@@ -131,14 +153,14 @@ async def test_cleanup_dumps_then_evicts_only_stale_idle_sessions(tmp_path: Path
     assert store.tokens_held == fresh.num_tokens + busy.num_tokens
 
 
-async def test_failed_dump_write_loses_nothing_and_is_retried(tmp_path: Path):
-    store, counters = SessionStore(), Counters()
+async def test_failed_dump_write_loses_nothing_and_is_retried(tmp_path: Path, counters, dump_storage):
+    store = SessionStore()
     sessions = [make_session(f"keepme-{i:03d}", idle_s=60) for i in range(5)]
     for s in sessions:
         store.add(s)
     # Running as root, permissions do not stop writes: put a file where the stale/ directory belongs.
     (tmp_path / STALE_AREA).write_text("not a directory")
-    cleaner = make_cleaner(tmp_path, store, counters)
+    cleaner = make_cleaner(dump_storage, store, counters)
     assert await cleaner.run_once() == 0
     assert counters.dump_failures == 5 and len(store) == 5
     for s in sessions:
@@ -148,22 +170,24 @@ async def test_failed_dump_write_loses_nothing_and_is_retried(tmp_path: Path):
     assert len(list((tmp_path / STALE_AREA).iterdir())) == 5
 
 
-async def test_cleanup_during_turn_waits_for_the_turn(tmp_path: Path):
+async def test_cleanup_during_turn_waits_for_the_turn(tmp_path: Path, counters, dump_storage):
     """A session in a turn is not detached; once the turn ends and it idles, it is dumped whole."""
-    store, counters = SessionStore(), Counters()
+    store = SessionStore()
     session = make_session("turning-01", turns=1, idle_s=60)
     store.add(session)
-    cleaner = make_cleaner(tmp_path, store, counters, timeout_s=0.05)
+    cleaner = make_cleaner(dump_storage, store, counters, timeout_s=0.05)
     async with session.lock:
         assert await cleaner.run_once() == 0
         session.append_turn(
-            array("i", [9]),
-            array("i", [8]),
-            array("f", [-1.0]),
-            message_count=4,
-            history_digest=b"\x02" * 32,
-            stopped=False,
-            stop_token=None,
+            RecordedTurn(
+                array("i", [9]),
+                array("i", [8]),
+                array("f", [-1.0]),
+                message_count=4,
+                history_digest=b"\x02" * 32,
+                stopped=False,
+                stop_token=None,
+            ),
         )
         session.touch()
     await asyncio.sleep(0.1)
@@ -176,7 +200,7 @@ async def test_cleanup_during_turn_waits_for_the_turn(tmp_path: Path):
 async def test_dropping_without_dump_dir_only_when_chosen():
     store, counters = SessionStore(), Counters()
     store.add(make_session("dropme-001", idle_s=60))
-    assert await make_cleaner(None, store, counters, drop=True).run_once() == 1
+    assert await make_cleaner(NoStorage(counters), store, counters).run_once() == 1
     assert counters.sessions_dropped == 1 and len(store) == 0
 
 
@@ -185,13 +209,12 @@ async def test_cleanup_trims_the_heap_after_deletions_too():
     calls = []
     cleaner = StaleSessionCleaner(
         store,
-        SessionWriter(None, 1, counters),
+        NoStorage(counters),
         HeapTrimmer(trim_fn=calls.append),
         counters,
         Gauges(),
         timeout_s=10,
         interval_s=1,
-        drop_without_dump=True,
     )
     await cleaner.run_once()
     assert calls == []  # nothing left memory: no trim

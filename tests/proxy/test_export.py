@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 from proxy_harness import ADMIN, ADMIN_KEY, play_session, running_proxy
-from rolloutfleet_proxy.dumps import EXPORTED_AREA, LIVE_EXPORTS_AREA
+from rolloutfleet_proxy.storage.dumps import EXPORTED_AREA, LIVE_EXPORTS_AREA
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import TOKEN_LOGPROB
 from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app

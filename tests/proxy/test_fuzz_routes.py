@@ -338,7 +338,9 @@ def test_objects_nested_past_the_serializer_limit_never_get_a_5xx(proxy):
 def test_every_session_route_answers_a_key_that_does_not_open_the_session_as_an_unknown_id(proxy):
     """No key learns whether an id exists: a made-up key, and another session's real key, get from
     every route with {session_id} exactly what they get for an id never created (and no key at all
-    gets the same 401 for both). None of those calls changes the session."""
+    gets the same 401 for both). A capability route's credential is the secret in its path: a
+    made-up one gets the 404 of an unknown id whatever the header, none included. None of those
+    calls changes the session."""
     routes = [(m, path) for m, path in route_templates(_app_of(proxy)) if "{session_id}" in path]
     assert len(routes) >= 5, routes  # read, delete, turn, reward, finish
     sid, key = proxy.create_session()
@@ -349,7 +351,11 @@ def test_every_session_route_answers_a_key_that_does_not_open_the_session_as_an_
         for headers in (bearer("rfs-made-up"), bearer(other_key), {}):
             to_session, to_unknown = (
                 httpx.request(
-                    method, proxy.url + template.replace("{session_id}", target), headers=headers, json=body
+                    method,
+                    proxy.url
+                    + template.replace("{session_id}", target).replace("{capability}", "rfs-made-up"),
+                    headers=headers,
+                    json=body,
                 )
                 for target in (sid, unknown)
             )
@@ -360,7 +366,8 @@ def test_every_session_route_answers_a_key_that_does_not_open_the_session_as_an_
                 to_session.text,
                 to_unknown.text,
             )
-            expected = (401, ErrorCode.UNAUTHORIZED) if not headers else (404, ErrorCode.NOT_FOUND)
+            no_credential = not headers and "{capability}" not in template
+            expected = (401, ErrorCode.UNAUTHORIZED) if no_credential else (404, ErrorCode.NOT_FOUND)
             assert (to_session.status_code, to_session.json()["error"]["code"]) == expected
     own = proxy.get(sid, key).json()
     assert (own["num_turns"], own["finished"], own["reward"]) == (0, False, None)

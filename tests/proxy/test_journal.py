@@ -9,14 +9,15 @@ from array import array
 from pathlib import Path
 
 import pytest
-from rolloutfleet_proxy import journal_records as jr
-from rolloutfleet_proxy.dumps import LIVE_AREA, load_session_file, write_session_dump
 from rolloutfleet_proxy.errors import http_error
 from rolloutfleet_proxy.failures import StorageUnavailable
 from rolloutfleet_proxy.ids import key_digest
-from rolloutfleet_proxy.journal import Journal, StorageHealth, journal_dir, list_segments
-from rolloutfleet_proxy.recovery import Replay, recover
-from rolloutfleet_proxy.session import Session
+from rolloutfleet_proxy.session import RecordedTurn, Session
+from rolloutfleet_proxy.storage import journal_records as jr
+from rolloutfleet_proxy.storage.dumps import LIVE_AREA, load_session_file, write_session_dump
+from rolloutfleet_proxy.storage.health import StorageHealth
+from rolloutfleet_proxy.storage.journal import Journal, journal_dir, list_segments
+from rolloutfleet_proxy.storage.restore import Replay, recover
 
 KEY = key_digest("key-a")
 OTHER_KEY = key_digest("key-b")
@@ -27,17 +28,19 @@ def turn(sid: str, index: int, key: bytes = KEY, n_in: int = 3, n_out: int = 2, 
         sid,
         key,
         index,
-        array("i", range(base, base + n_in)),
-        array("i", range(base + 100, base + 100 + n_out)),
-        array("f", [-0.5 - i for i in range(n_out)]),
-        message_count=2 * (index + 1),
-        history_digest=bytes([index]) * 32,
-        stopped=True,
-        stop_token=base + 100 + n_out - 1,
-        model_version=index,
-        version_changes=[(1, index + 1)] if n_out > 1 else [],
-        temperature=0.7,
-        tempered=True,
+        RecordedTurn(
+            array("i", range(base, base + n_in)),
+            array("i", range(base + 100, base + 100 + n_out)),
+            array("f", [-0.5 - i for i in range(n_out)]),
+            message_count=2 * (index + 1),
+            history_digest=bytes([index]) * 32,
+            stopped=True,
+            stop_token=base + 100 + n_out - 1,
+            model_version=index,
+            version_changes=[(1, index + 1)] if n_out > 1 else [],
+            temperature=0.7,
+            tempered=True,
+        ),
     )
 
 
@@ -101,17 +104,19 @@ def test_replay_rebuilds_a_session_exactly_as_the_live_one():
         record = turn("session-a1", i, base=20 * i)
         body = jr.scan(record).records[0]
         live.append_turn(
-            body.turn.new_input_ids,
-            body.turn.output_ids,
-            body.turn.output_logprobs,
-            message_count=2 * (i + 1),
-            history_digest=bytes([i]) * 32,
-            stopped=True,
-            stop_token=body.turn.output_ids[-1],
-            model_version=i,
-            version_changes=[(1, i + 1)],
-            temperature=0.7,
-            tempered=True,
+            RecordedTurn(
+                body.turn.new_input_ids,
+                body.turn.output_ids,
+                body.turn.output_logprobs,
+                message_count=2 * (i + 1),
+                history_digest=bytes([i]) * 32,
+                stopped=True,
+                stop_token=body.turn.output_ids[-1],
+                model_version=i,
+                version_changes=[(1, i + 1)],
+                temperature=0.7,
+                tempered=True,
+            ),
         )
         records.append(record)
     live.set_reward(0.25, 1)
@@ -164,17 +169,19 @@ def test_a_turn_with_values_a_proxy_never_writes_makes_the_session_lost():
         "session-a1",
         KEY,
         0,
-        array("i", [1, 2]),
-        array("i", [3]),
-        array("f", [float("nan")]),
-        message_count=2,
-        history_digest=bytes(32),
-        stopped=False,
-        stop_token=None,
-        model_version=0,
-        version_changes=[],
-        temperature=1.0,
-        tempered=True,
+        RecordedTurn(
+            array("i", [1, 2]),
+            array("i", [3]),
+            array("f", [float("nan")]),
+            message_count=2,
+            history_digest=bytes(32),
+            stopped=False,
+            stop_token=None,
+            model_version=0,
+            version_changes=[],
+            temperature=1.0,
+            tempered=True,
+        ),
     )
     result = replay([jr.create_record("session-a1", KEY, 1.0, {}), bad])
     assert not result.sessions and "not finite" in result.lost["session-a1"]
@@ -328,3 +335,77 @@ def test_a_session_whose_id_began_with_a_dash_before_the_rule_is_restored_and_re
         assert got.status_code == 200 and got.json()["session_id"] == "-legacy-session-1"
         refused = httpx.post(f"{proxy.url}/v1/sessions", headers=ADMIN, json={"session_id": "-new-session-1"})
         assert refused.status_code == 400 and refused.json()["error"]["code"] == "invalid_session_id"
+
+
+# Turn records as the proxy wrote them before the turn became one value (bytes fixed here): a tree
+# turn with every field, and a linear turn written without the tree's keys.
+TREE_TURN_RECORD = bytes.fromhex(
+    "52464a3108020000ea3d705002e30100007b22736964223a2273657373696f6e2d6731222c22696e63223a2230303031"
+    "303230333034303530363037222c227475726e223a312c226e5f696e223a322c226e5f6f7574223a332c226d65737361"
+    "67655f636f756e74223a342c22646967657374223a223033303330333033303330333033303330333033303330333033"
+    "3033303330333033303330333033303330333033303330333033303330333033303330333033222c2273746f70706564"
+    "223a747275652c2273746f705f746f6b656e223a392c2276657273696f6e223a322c226368616e676573223a5b5b312c"
+    "335d5d2c2274656d7065726174757265223a302e372c2274656d7065726564223a747275652c22706172656e74223a30"
+    "2c226b656570223a352c2263616c6c223a312c2266696e697368223a312c22666c616773223a312c2263726561746564"
+    "223a313730303030303030302e352c2273746f705f737472696e67223a6e756c6c2c226964656d706f74656e63795f6b"
+    "6579223a226162616261626162616261626162616261626162616261626162616261626162222c227265717565737422"
+    "3a2230343034303430343034303430343034303430343034303430343034303430343034303430343034303430343034"
+    "303430343034303430343034303430343034227d0500000006000000070000000800000009000000000000bf000080be"
+    "000000be"
+)
+LINEAR_TURN_RECORD = bytes.fromhex(
+    "52464a311a0100002bd7216e02050100007b22736964223a2273657373696f6e2d6731222c22696e63223a2230303031"
+    "303230333034303530363037222c227475726e223a302c226e5f696e223a322c226e5f6f7574223a312c226d65737361"
+    "67655f636f756e74223a322c22646967657374223a223031303130313031303130313031303130313031303130313031"
+    "3031303130313031303130313031303130313031303130313031303130313031303130313031222c2273746f70706564"
+    "223a66616c73652c2273746f705f746f6b656e223a6e756c6c2c2276657273696f6e223a302c226368616e676573223a"
+    "5b5d2c2274656d7065726174757265223a312e302c2274656d7065726564223a66616c73657d01000000020000000300"
+    "0000000080bf"
+)
+
+
+def test_turn_records_of_todays_format_read_back_and_are_written_byte_for_byte():
+    key = bytes(range(32))
+    tree_turn = RecordedTurn(
+        array("i", [5, 6]),
+        array("i", [7, 8, 9]),
+        array("f", [-0.5, -0.25, -0.125]),
+        message_count=4,
+        history_digest=bytes([3]) * 32,
+        stopped=True,
+        stop_token=9,
+        model_version=2,
+        version_changes=((1, 3),),
+        temperature=0.7,
+        tempered=True,
+        parent=0,
+        keep=5,
+        call=1,
+        request_digest=bytes([4]) * 32,
+        finish=1,
+        flags=1,
+        created=1700000000.5,
+        idempotency_key="ab" * 16,
+    )
+    (record,) = jr.scan(TREE_TURN_RECORD).records
+    assert jr.recorded_turn(record) == tree_turn
+    assert jr.turn_record("session-g1", key, 1, tree_turn) == TREE_TURN_RECORD
+    (linear,) = jr.scan(LINEAR_TURN_RECORD).records
+    assert jr.recorded_turn(linear) == RecordedTurn(
+        array("i", [1, 2]),
+        array("i", [3]),
+        array("f", [-1.0]),
+        message_count=2,
+        history_digest=bytes([1]) * 32,
+        stopped=False,
+        stop_token=None,
+        model_version=0,
+        temperature=1.0,
+    )
+    session = Session("session-g1", key)
+    session.append_turn(jr.recorded_turn(linear))
+    assert (session.turn_parents.tolist(), session.turn_keeps.tolist(), session.turn_calls.tolist()) == (
+        [-1],
+        [0],
+        [0],
+    )

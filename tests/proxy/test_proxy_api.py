@@ -11,7 +11,7 @@ import httpx
 import pytest
 from openai import OpenAI
 from proxy_harness import ADMIN, ADMIN_KEY, answer_but_the_id, bearer, chat_body, running_proxy
-from rolloutfleet_proxy.dumps import STALE_AREA, load_session_file
+from rolloutfleet_proxy.storage.dumps import STALE_AREA, load_session_file
 from rolloutfleet_testkit.processes import (
     ServerProcess,
     free_port,

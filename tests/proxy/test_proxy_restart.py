@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 from proxy_harness import ADMIN, ADMIN_KEY, chat_body, proxy_process
-from rolloutfleet_proxy.dumps import LIVE_AREA
+from rolloutfleet_proxy.storage.dumps import LIVE_AREA
 from rolloutfleet_testkit.processes import ServerProcess, free_port, proxy_command, serve_app
 from rolloutfleet_testkit.sglang_emulator.server import create_app as create_engine_app
 
@@ -164,7 +164,7 @@ def test_corrupt_live_dump_is_kept_aside_not_deleted(engine_url, test_tokenizer_
 
 def test_malformed_dumps_are_quarantined_and_start_goes_on(engine_url, test_tokenizer_dir, tmp_path):
     import numpy as np
-    from rolloutfleet_proxy.dumps import FORMAT
+    from rolloutfleet_proxy.storage.dumps import FORMAT
     from safetensors.numpy import save_file
 
     live = tmp_path / "dumps" / LIVE_AREA
@@ -191,22 +191,24 @@ def test_sigterm_during_startup_keeps_restored_sessions(test_tokenizer_dir, tmp_
     """A replacement terminated while it restores must write its sessions back, not lose them."""
     from array import array
 
-    from rolloutfleet_proxy.dumps import write_session_dump
     from rolloutfleet_proxy.ids import key_digest
-    from rolloutfleet_proxy.session import Session
+    from rolloutfleet_proxy.session import RecordedTurn, Session
+    from rolloutfleet_proxy.storage.dumps import write_session_dump
 
     dumps = tmp_path / "dumps"
     expected = {}
     for i in range(3):
         session = Session(f"restored-{i:03d}", key_digest("k"))
         session.append_turn(
-            array("i", [1, 2, 3 + i]),
-            array("i", [9, 9]),
-            array("f", [-0.5, -0.25]),
-            message_count=2,
-            history_digest=b"\x01" * 32,
-            stopped=False,
-            stop_token=None,
+            RecordedTurn(
+                array("i", [1, 2, 3 + i]),
+                array("i", [9, 9]),
+                array("f", [-0.5, -0.25]),
+                message_count=2,
+                history_digest=b"\x01" * 32,
+                stopped=False,
+                stop_token=None,
+            ),
         )
         write_session_dump(dumps, LIVE_AREA, session.to_record(), "drain")
         expected[session.session_id] = session.token_ids.tolist()
@@ -233,7 +235,7 @@ def test_sigterm_during_startup_keeps_restored_sessions(test_tokenizer_dir, tmp_
     process.process.send_signal(signal.SIGTERM)  # while the tokenizer loads, before or during the restore
     assert process.process.wait(60) == 0, process.log_tail()
     process.terminate()
-    from rolloutfleet_proxy.dumps import load_session_file
+    from rolloutfleet_proxy.storage.dumps import load_session_file
 
     files = sorted((dumps / LIVE_AREA).glob("*.safetensors"))
     assert {

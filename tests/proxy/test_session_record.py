@@ -8,8 +8,8 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from rolloutfleet_proxy.dumps import LIVE_AREA, load_session_file, write_session_dump
 from rolloutfleet_proxy.session import Session
+from rolloutfleet_proxy.storage.dumps import LIVE_AREA, load_session_file, write_session_dump
 from rolloutfleet_wire.session_record import RECORD_FIELDS, SessionRecord
 
 
@@ -84,7 +84,7 @@ def test_a_session_is_a_record_that_compares_by_identity():
 
 
 def test_the_dump_format_refuses_to_load_without_a_place_for_every_field(monkeypatch):
-    from rolloutfleet_proxy import dumps
+    from rolloutfleet_proxy.storage import dumps
 
     dumps._check_storage_covers_the_record()  # as shipped: every field has exactly one place
     monkeypatch.delitem(dumps._HEADER, "finished")
@@ -98,7 +98,7 @@ def test_the_dump_format_refuses_to_load_without_a_place_for_every_field(monkeyp
 
 def test_a_dump_without_a_required_value_is_refused_by_name(tmp_path: Path):
     import orjson
-    from rolloutfleet_proxy.dumps import FORMAT, DumpFormatError
+    from rolloutfleet_proxy.storage.dumps import FORMAT, DumpFormatError
     from safetensors import safe_open
     from safetensors.numpy import load_file, save_file
 

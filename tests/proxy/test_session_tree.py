@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import orjson
 from rolloutfleet_proxy.branching import attach, message_digests, place, request_digest, shared_prefix
-from rolloutfleet_proxy.dumps import FORMAT, LIVE_AREA, load_session_file, write_session_dump
-from rolloutfleet_proxy.session import Session, TurnFields
+from rolloutfleet_proxy.session import RecordedTurn, Session
+from rolloutfleet_proxy.storage.dumps import FORMAT, LIVE_AREA, load_session_file, write_session_dump
 from rolloutfleet_wire import session_tree as tree
 from rolloutfleet_wire.session_record import EMPTY_DIGEST, ROOT
 from safetensors.numpy import load_file, save_file
@@ -30,7 +30,10 @@ def add(session: Session, messages: list[dict], new_ids: list[int], output: list
     """Record a turn answering `messages` (placed by the caller) with `output` as the reply."""
     digests = message_digests(EMPTY_DIGEST, messages)
     end = message_digests(EMPTY_DIGEST, [*messages, reply(f"r{len(output)}-{output[0]}")])[-1]
-    fields = TurnFields(
+    turn = RecordedTurn(
+        array("i", new_ids),
+        array("i", output),
+        array("f", [-0.5] * len(output)),
         message_count=len(messages) + 1,
         history_digest=end,
         stopped=True,
@@ -38,7 +41,7 @@ def add(session: Session, messages: list[dict], new_ids: list[int], output: list
         request_digest=request_digest(digests[-1], PARAMS),
         **where,
     )
-    session.append_turn(array("i", new_ids), array("i", output), array("f", [-0.5] * len(output)), **fields)
+    session.append_turn(turn)
     return session.num_turns - 1
 
 

@@ -16,12 +16,13 @@ from rolloutfleet_proxy.failures import (
     SessionExists,
     SessionLostInRestart,
     UnknownSession,
+    UpstreamFailed,
 )
 from rolloutfleet_proxy.heap import HeapTrimmer, resolve_malloc_trim
 from rolloutfleet_proxy.history import EMPTY_DIGEST, InvalidMessage, canonical_message, extend_digest
 from rolloutfleet_proxy.ids import is_valid_session_id, key_digest, key_matches, new_session_id
 from rolloutfleet_proxy.openai_format import parse_chat_request
-from rolloutfleet_proxy.session import Session
+from rolloutfleet_proxy.session import RecordedTurn, Session
 from rolloutfleet_proxy.settings import ENV, ProxySettings, env_var_name, load_settings
 from rolloutfleet_proxy.store import SessionStore
 from rolloutfleet_proxy.upstream import parse_generate_answer
@@ -82,13 +83,15 @@ def test_generated_ids_and_keys():
 
 def record_turn(session: Session, n_in: int, n_out: int, first_id: int = 1) -> int:
     return session.append_turn(
-        array("i", range(first_id, first_id + n_in)),
-        array("i", [7] * n_out),
-        array("f", [-0.5] * n_out),
-        message_count=session.message_count + 2,
-        history_digest=b"\x01" * 32,
-        stopped=False,
-        stop_token=None,
+        RecordedTurn(
+            array("i", range(first_id, first_id + n_in)),
+            array("i", [7] * n_out),
+            array("f", [-0.5] * n_out),
+            message_count=session.message_count + 2,
+            history_digest=b"\x01" * 32,
+            stopped=False,
+            stop_token=None,
+        ),
     )
 
 
@@ -107,13 +110,15 @@ async def test_session_arrays_are_typed_and_aligned():
     assert session.turns() == [(0, 3, 5), (5, 6, 10)]
     with pytest.raises(ValueError):
         session.append_turn(
-            array("i"),
-            array("i", [1]),
-            array("f"),
-            message_count=1,
-            history_digest=b"",
-            stopped=False,
-            stop_token=None,
+            RecordedTurn(
+                array("i"),
+                array("i", [1]),
+                array("f"),
+                message_count=1,
+                history_digest=b"",
+                stopped=False,
+                stop_token=None,
+            ),
         )
     assert session.num_tokens == 10  # a refused record changes nothing
 
@@ -303,9 +308,9 @@ def test_parse_generate_answer_keeps_the_tokens_of_an_aborted_generation():
     ],
 )
 def test_parse_generate_answer_rejects_inconsistent(body):
-    with pytest.raises(ProxyError) as error:
+    with pytest.raises(UpstreamFailed) as error:
         parse_generate_answer(body)
-    assert error.value.status == 502
+    assert http_error(error.value).status == 502
 
 
 # --- chat requests -------------------------------------------------------------------------------

@@ -19,7 +19,8 @@ from array import array
 import httpx
 import pytest
 from proxy_harness import running_proxy
-from rolloutfleet_proxy.errors import ProxyError
+from rolloutfleet_proxy.errors import http_error
+from rolloutfleet_proxy.failures import UpstreamFailed
 from rolloutfleet_proxy.upstream import (
     ROUTING_KEY_HEADER,
     SGLangClient,
@@ -71,7 +72,9 @@ class RefusingUpstream:
     ],
 )
 def test_sglang_400s_are_the_clients_errors(message, code):
-    error = refused_request(sglang_error_message(b'{"error": {"message": "' + message.encode() + b'"}}'))
+    error = http_error(
+        refused_request(sglang_error_message(b'{"error": {"message": "' + message.encode() + b'"}}'))
+    )
     assert (error.status, error.code) == (400, code)
     assert message in error.message
 
@@ -271,9 +274,9 @@ async def test_an_upstream_that_ignores_n_is_an_upstream_error():
     with serve_app(one_answer) as url:
         upstream = SGLangClient(url, 10, 2)
         try:
-            with pytest.raises(ProxyError) as error:
+            with pytest.raises(UpstreamFailed) as error:
                 await upstream.generate_samples([1, 2, 3], {"max_new_tokens": 1}, 3)
-            assert error.value.status == 502 and "1 results for n=3" in error.value.message
+            assert http_error(error.value).status == 502 and "1 results for n=3" in error.value.message
             assert len(await upstream.generate_samples([1, 2, 3], {"max_new_tokens": 1}, 1)) == 1
             with pytest.raises(ValueError):
                 await upstream.generate_samples([1, 2, 3], {"max_new_tokens": 1}, 0)

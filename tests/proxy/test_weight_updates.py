@@ -25,7 +25,7 @@ from rolloutfleet_proxy.continuation import (
     logprobs_tempered,
     merge_segments,
 )
-from rolloutfleet_proxy.session import Session
+from rolloutfleet_proxy.session import RecordedTurn, Session
 from rolloutfleet_proxy.upstream import Generation
 from rolloutfleet_testkit.asgi import lifespan, read_body, send_json
 from rolloutfleet_testkit.processes import serve_app
@@ -108,23 +108,23 @@ def test_merge_of_a_turn_aborted_as_its_budget_ran_out_is_a_length_finish():
 
 def test_per_token_versions_follow_the_changes_inside_their_turn():
     session = Session("s", b"k")
-    session.append_turn(
+    session.append_turn(RecordedTurn(
         array("i", [1, 2]), array("i", [10, 11, 12]), array("f", [-1, -1, -1]),
         message_count=2, history_digest=b"d" * 32, stopped=False, stop_token=None,
         model_version=3, version_changes=[(2, 4)], temperature=0.7, tempered=True,
-    )  # fmt: skip
-    session.append_turn(
+    ))  # fmt: skip
+    session.append_turn(RecordedTurn(
         array("i", [5]), array("i", [20, 21]), array("f", [-1, -1]),
         message_count=4, history_digest=b"e" * 32, stopped=False, stop_token=None, model_version=4,
-    )  # fmt: skip
+    ))  # fmt: skip
     assert token_versions(session.to_record()).tolist() == [-1, -1, 3, 3, 4, -1, 4, 4]
     assert session.turn_tempered.tolist() == [1, 0] and math.isnan(session.turn_temperatures[1])
     with pytest.raises(ValueError, match="inside the output"):
-        session.append_turn(
+        session.append_turn(RecordedTurn(
             array("i", []), array("i", [1]), array("f", [-1]),
             message_count=6, history_digest=b"f" * 32, stopped=False, stop_token=None,
             version_changes=[(1, 5)],
-        )  # fmt: skip
+        ))  # fmt: skip
 
 
 # --- the proxy against an upstream that aborts ---------------------------------------------------
@@ -328,16 +328,16 @@ def test_a_trainer_driven_abort_storm_is_ridden_through_with_every_token_kept_on
 
 def _session_spanning_an_update() -> Session:
     session = Session("s-update", b"k" * 32)
-    session.append_turn(
+    session.append_turn(RecordedTurn(
         array("i", [1, 2]), array("i", [10, 11, 12]), array("f", [-0.1, -0.2, -0.3]),
         message_count=2, history_digest=b"d" * 32, stopped=False, stop_token=None,
         model_version=3, version_changes=[(1, 4)], temperature=0.7, tempered=True,
-    )  # fmt: skip
+    ))  # fmt: skip
     return session
 
 
 def test_a_dump_keeps_versions_inside_turns_and_temperatures(tmp_path):
-    from rolloutfleet_proxy.dumps import LIVE_AREA, load_session_file, write_session_dump
+    from rolloutfleet_proxy.storage.dumps import LIVE_AREA, load_session_file, write_session_dump
 
     record = _session_spanning_an_update().to_record()
     path = write_session_dump(tmp_path, LIVE_AREA, record, "drain")

@@ -18,12 +18,12 @@ import struct
 import zlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Any, Unpack
+from typing import Any
 
 import orjson
-from rolloutfleet_wire.session_record import UNKNOWN_TEMPERATURE, UNKNOWN_VERSION
+from rolloutfleet_wire.session_record import FINISH_UNKNOWN, NO_DIGEST, UNKNOWN_TEMPERATURE
 
-from .session import TurnFields
+from ..session import RecordedTurn
 
 MAGIC = b"RFJ1"
 _FRAME = struct.Struct("<4sII")  # magic, payload length, crc32
@@ -82,65 +82,70 @@ def create_record(session_id: str, key_digest: bytes, created_at: float, metadat
     return frame(CREATE, header)
 
 
-def turn_record(
-    session_id: str,
-    key_digest: bytes,
-    turn_index: int,
-    new_input_ids: array,
-    output_ids: array,
-    output_logprobs: array,
-    **turn: Unpack[TurnFields],
-) -> bytes:
-    temperature = turn.get("temperature", UNKNOWN_TEMPERATURE)
+def turn_record(session_id: str, key_digest: bytes, turn_index: int, turn: RecordedTurn) -> bytes:
     header = {
         "sid": session_id,
         "inc": incarnation(key_digest),
         "turn": turn_index,
-        "n_in": len(new_input_ids),
-        "n_out": len(output_ids),
-        "message_count": turn["message_count"],
-        "digest": turn["history_digest"].hex(),
-        "stopped": turn["stopped"],
-        "stop_token": turn["stop_token"],
-        "version": turn.get("model_version", UNKNOWN_VERSION),
-        "changes": [list(c) for c in turn.get("version_changes", ())],
-        "temperature": None if math.isnan(temperature) else temperature,
-        "tempered": turn.get("tempered", False),
+        "n_in": len(turn.new_input_ids),
+        "n_out": len(turn.output_ids),
+        "message_count": turn.message_count,
+        "digest": turn.history_digest.hex(),
+        "stopped": turn.stopped,
+        "stop_token": turn.stop_token,
+        "version": turn.model_version,
+        "changes": [list(c) for c in turn.version_changes],
+        "temperature": None if math.isnan(turn.temperature) else turn.temperature,
+        "tempered": turn.tempered,
     }
     # The tree and the replay (absent in records written before trees: a linear turn, not replayable).
-    for name in ("parent", "keep", "call", "finish", "flags", "created", "stop_string", "idempotency_key"):
-        if name in turn:
-            header[name] = turn[name]  # type: ignore[literal-required]
-    if "request_digest" in turn:
-        header["request"] = turn["request_digest"].hex()
-    body = new_input_ids.tobytes() + output_ids.tobytes() + output_logprobs.tobytes()
+    for name in ("parent", "keep", "call"):
+        if getattr(turn, name) is not None:
+            header[name] = getattr(turn, name)
+    header.update(
+        finish=turn.finish,
+        flags=turn.flags,
+        created=turn.created,
+        stop_string=turn.stop_string,
+        idempotency_key=turn.idempotency_key,
+        request=turn.request_digest.hex(),
+    )
+    body = turn.new_input_ids.tobytes() + turn.output_ids.tobytes() + turn.output_logprobs.tobytes()
     return frame(TURN, header, body)
 
 
-def turn_fields(header: dict[str, Any]) -> TurnFields:
-    """A turn record's fields back from its header; KeyError, TypeError or ValueError if malformed."""
+def recorded_turn(record: Record) -> RecordedTurn:
+    """A turn record back as the turn it recorded; KeyError, TypeError or ValueError if malformed.
+    Keys absent in records written before trees get the defaults of a linear turn."""
+    header, body = record.header, record.turn
+    assert body is not None, "a turn record"
     temperature = header.get("temperature")
-    fields = TurnFields(
+    return RecordedTurn(
+        body.new_input_ids,
+        body.output_ids,
+        body.output_logprobs,
         message_count=int(header["message_count"]),
         history_digest=bytes.fromhex(header["digest"]),
         stopped=bool(header["stopped"]),
         stop_token=header.get("stop_token"),
         model_version=int(header["version"]),
-        version_changes=[(int(o), int(v)) for o, v in header.get("changes") or []],
+        version_changes=tuple((int(o), int(v)) for o, v in header.get("changes") or []),
         temperature=UNKNOWN_TEMPERATURE if temperature is None else float(temperature),
         tempered=bool(header.get("tempered")),
+        parent=int(header["parent"]) if "parent" in header else None,
+        keep=int(header["keep"]) if "keep" in header else None,
+        call=int(header["call"]) if "call" in header else None,
+        request_digest=bytes.fromhex(header["request"]) if "request" in header else NO_DIGEST,
+        finish=int(header.get("finish", FINISH_UNKNOWN)),
+        flags=int(header.get("flags", 0)),
+        created=float(header.get("created", 0.0)),
+        stop_string=_optional_str(header.get("stop_string")),
+        idempotency_key=_optional_str(header.get("idempotency_key")),
     )
-    for name in ("parent", "keep", "call", "finish", "flags"):
-        if name in header:
-            fields[name] = int(header[name])  # type: ignore[literal-required]
-    if "created" in header:
-        fields["created"] = float(header["created"])
-    if "request" in header:
-        fields["request_digest"] = bytes.fromhex(header["request"])
-    for name in ("stop_string", "idempotency_key"):
-        if header.get(name) is not None:
-            fields[name] = str(header[name])  # type: ignore[literal-required]
-    return fields
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 def reward_record(session_id: str, key_digest: bytes, value: float, turn: int | None) -> bytes:

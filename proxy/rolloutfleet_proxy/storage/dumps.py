@@ -48,7 +48,7 @@ from rolloutfleet_wire.session_record import (
 from safetensors import safe_open
 from safetensors.numpy import save as safetensors_save
 
-from .ids import is_valid_session_id
+from ..ids import is_valid_session_id
 
 FORMAT = "rolloutfleet.session"
 FORMAT_VERSION = 2  # 2: CRC-32 of every tensor in the header (`checksums`); 1 is still read

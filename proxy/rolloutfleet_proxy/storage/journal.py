@@ -12,22 +12,20 @@ changes.
 
 When a write fails the journal turns unavailable: queued commits fail with `storage_unavailable`, the
 segment is cut back to its last intact record (or abandoned for a new one), and appends are refused
-until the storage check (`StorageHealth`) finds the directory writable again.
+until the storage check (`health.StorageHealth`) finds the directory writable again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .failures import ShuttingDown, StorageUnavailable
-
-log = logging.getLogger("rolloutfleet.proxy.journal")
+from ..failures import ShuttingDown
+from .health import StorageHealth
 
 JOURNAL_AREA = "journal"
 SEGMENT_SUFFIX = ".wal"
@@ -59,32 +57,6 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-@dataclass
-class StorageHealth:
-    """Whether this proxy can persist what it is told, and if not, why (shown on /readyz, /stats)."""
-
-    ok: bool = True
-    reason: str = ""
-    since: float = 0.0  # Unix time of the last change
-    failures: int = 0  # times it turned unavailable
-
-    def fail(self, reason: str) -> None:
-        if self.ok:
-            self.failures += 1
-            self.since = time.time()
-            log.error("storage unavailable: %s", reason)
-        self.ok, self.reason = False, reason
-
-    def recover(self) -> None:
-        if not self.ok:
-            log.warning("storage writable again after: %s", self.reason)
-            self.since = time.time()
-        self.ok, self.reason = True, ""
-
-    def refuse(self, what: str) -> StorageUnavailable:
-        return StorageUnavailable(what, self.reason)
 
 
 @dataclass

@@ -13,23 +13,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from .cleanup import SessionWriter
+from ..session import Session
+from ..stats import Counters
 from .dumps import LIVE_AREA, remove_other_dumps
 from .journal import Journal
-from .stats import Counters
-from .store import SessionStore
+from .session_files import SessionFiles
 
 log = logging.getLogger("rolloutfleet.proxy.compaction")
 
 
 class Compactor:
     def __init__(
-        self, store: SessionStore, writer: SessionWriter, journal: Journal, dump_dir: Path, counters: Counters
+        self,
+        held_sessions: Callable[[], list[Session]],
+        files: SessionFiles,
+        journal: Journal,
+        dump_dir: Path,
+        counters: Counters,
     ):
-        self._store = store
-        self._writer = writer
+        self._held_sessions = held_sessions  # every session held, live or detached (being written)
+        self._files = files
         self._journal = journal
         self._dump_dir = dump_dir
         self._counters = counters
@@ -47,15 +53,13 @@ class Compactor:
     async def _compact(self) -> bool:
         started = time.monotonic()
         retire_upto = self._journal.rotate()
-        sessions = self._store.all_sessions()
-        outcome = await self._writer.write(sessions, LIVE_AREA, "snapshot", copy=True)
-        if outcome.failed:
+        sessions = self._held_sessions()
+        _, failed = await self._files.write(sessions, LIVE_AREA, "snapshot", copy=True)
+        if failed:
             self._counters.compaction_failures += 1
-            log.error(
-                "compaction: %d snapshots could not be written; the journal is kept", len(outcome.failed)
-            )
+            log.error("compaction: %d snapshots could not be written; the journal is kept", len(failed))
             return False
-        held = {s.session_id for s in self._store.all_sessions()} | {s.session_id for s in sessions}
+        held = {s.session_id for s in self._held_sessions()} | {s.session_id for s in sessions}
         await asyncio.to_thread(remove_other_dumps, self._dump_dir, LIVE_AREA, held)
         retired = await self._journal.retire(retire_upto)
         self._counters.compactions += 1

@@ -1,14 +1,18 @@
-"""Restore after any stop, clean or not: the snapshots in `live/`, then the journal replayed over them.
+"""Restore at start, after any stop, clean or not: what a predecessor left in the dump directory.
 
-Blocking (the start-up runs it in a worker thread, before the proxy serves). Nothing it reads is
-deleted here: the snapshots and segments stay until a compaction has made what they hold durable
-again, so a kill during or right after a restore loses nothing either. Files that fail verification
-are moved to `corrupt/` (never served, never overwritten); sessions whose state cannot be rebuilt
-exactly are reported as lost, so clients get 410 `session_lost` rather than a wrong trajectory.
+In this order: the state file (model version, pause, admission counters); the sessions (the snapshots
+in `live/`, then the journal replayed over them: `recover`); the export batches in `live-exports/`.
+The reading runs in worker threads, before the proxy serves. Nothing read is deleted here: the
+snapshots and segments stay until a compaction has made what they hold durable again, and a batch's
+file until the trainer acknowledges the batch, so a kill during or right after a restore loses
+nothing either. Files that fail verification are moved to `corrupt/` (never served, never
+overwritten); sessions whose state cannot be rebuilt exactly are reported as lost, so clients get 410
+`session_lost` rather than a wrong trajectory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import mmap
 import os
@@ -18,9 +22,15 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+from rolloutfleet_wire.export_format import decode_batch
 
+from ..export_buffer import ExportBatch
+from ..ids import is_valid_session_id
+from ..session import Session
+from ..stats import Counters
 from .dumps import (
     LIVE_AREA,
+    LIVE_EXPORTS_AREA,
     SUFFIX,
     DumpFormatError,
     list_live_dumps,
@@ -28,12 +38,13 @@ from .dumps import (
     quarantine,
     write_atomic,
 )
-from .ids import is_valid_session_id
 from .journal import journal_dir, list_segments
-from .journal_records import CREATE, END, FINISH, REWARD, TURN, Record, incarnation, scan, turn_fields
-from .session import Session
+from .journal_records import CREATE, END, FINISH, REWARD, TURN, Record, incarnation, recorded_turn, scan
+from .state_file import ProxyState, StateFormatError, read_state, state_path
 
 log = logging.getLogger("rolloutfleet.proxy.recovery")
+start_log = logging.getLogger("rolloutfleet.proxy")  # what the start-up reports
+batch_log = logging.getLogger("rolloutfleet.proxy.exports")
 
 LOST_FILE = "lost-sessions.json"
 
@@ -109,7 +120,7 @@ class Replay:
             self._lose(session, f"turn {index} holds {problem}")
             return
         try:
-            session.append_turn(body.new_input_ids, body.output_ids, body.output_logprobs, **turn_fields(h))
+            session.append_turn(recorded_turn(record))
             session.committed_turns = session.num_turns  # journaled, so durable: it may be replayed
         except (KeyError, TypeError, ValueError) as exc:
             self._lose(session, f"turn {index} cannot be applied: {exc}")
@@ -138,7 +149,45 @@ def _implausible(body) -> str | None:
     return None
 
 
+async def restore_state(dump_dir: Path, counters: Counters) -> ProxyState | None:
+    """The model version, the pause and the counters a predecessor saved; None when there are none."""
+    try:
+        return await asyncio.to_thread(read_state, dump_dir)
+    except (OSError, StateFormatError) as exc:
+        # Starting at version 0 is safe: the trainer's next version is then a jump, and rebases.
+        counters.restore_failures += 1
+        target = await asyncio.to_thread(quarantine, state_path(dump_dir), dump_dir)
+        start_log.error("cannot read the state file (%s); kept as %s; starting at version 0", exc, target)
+        return None
+
+
+async def restore_sessions(dump_dir: Path, lost_capacity: int, counters: Counters) -> Recovered:
+    """Every session a predecessor held: its snapshots in `live/`, then its journal replayed over them
+    (after a SIGKILL as after a drain)."""
+    start_log.info("restoring from %s", dump_dir)
+    recovered = await asyncio.to_thread(recover, dump_dir, lost_capacity)
+    counters.sessions_restored += len(recovered.sessions)
+    counters.sessions_lost += len(recovered.lost)
+    counters.restore_failures += len(recovered.quarantined)
+    start_log.info(
+        "restored",
+        extra={
+            "fields": {
+                "sessions": len(recovered.sessions),
+                "snapshots": recovered.snapshots,
+                "journal_segments": recovered.segments,
+                "journal_records": recovered.records,
+                "lost": len(recovered.lost),
+                "quarantined": recovered.quarantined,
+                "seconds": round(recovered.seconds, 3),
+            }
+        },
+    )
+    return recovered
+
+
 def recover(dump_dir: Path, lost_capacity: int = 10000) -> Recovered:
+    """`restore_sessions`, blocking."""
     started = time.monotonic()
     result = Recovered()
     result.lost.update(_read_lost(dump_dir))
@@ -221,3 +270,35 @@ def _copy_aside(path: Path, dump_dir: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(target, path.read_bytes())
     return target
+
+
+async def restore_batches(dump_dir: Path, ttl_s: float, counters: Counters) -> list[ExportBatch]:
+    """The batches a predecessor held, each with a fresh TTL. Their files stay until acknowledged (a
+    second kill loses nothing)."""
+    restored: dict[str, ExportBatch] = {}
+    for path in await asyncio.to_thread(list_live_dumps, dump_dir, LIVE_EXPORTS_AREA):
+        try:
+            data = await asyncio.to_thread(path.read_bytes)
+            decoded = await asyncio.to_thread(decode_batch, data)
+        except Exception as exc:
+            counters.restore_failures += 1
+            target = await asyncio.to_thread(quarantine, path, dump_dir)
+            batch_log.error("cannot restore export batch %s (%s); kept as %s", path, exc, target)
+            continue
+        if decoded.batch_id in restored:
+            counters.restore_failures += 1
+            batch_log.error(
+                "cannot restore %s: batch %s is already held; the file is kept", path, decoded.batch_id
+            )
+            continue
+        restored[decoded.batch_id] = ExportBatch(
+            batch_id=decoded.batch_id,
+            data=data,
+            session_ids=[t["session_id"] for t in decoded.header["trajectories"]],
+            num_tokens=len(decoded.tensors["input_ids"]),
+            created_at=float(decoded.header.get("created_at", time.time())),
+            expires_at=time.monotonic() + ttl_s,
+        )
+        del decoded
+        counters.batches_restored += 1
+    return list(restored.values())

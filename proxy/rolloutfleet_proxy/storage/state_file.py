@@ -16,8 +16,8 @@ from pathlib import Path
 
 import orjson
 
+from ..stats import Counters
 from .dumps import write_atomic
-from .stats import Counters
 
 log = logging.getLogger("rolloutfleet.proxy.state")
 
