@@ -12,6 +12,11 @@ throughput of a loop is its turns over its own active time; the fleet's is their
 `--family qwen3` gives the proxy a model family's real tokenizer and chat template (test kit) instead
 of the test tokenizer (`test`); `--family test qwen3 --rounds 2` runs both for each K, one after the
 other, so they are compared on the same machine in the same minutes.
+
+`--workload` picks what the sessions send: `linear` (each turn continues the last one: today's load,
+the default) or `branching` (every third turn leaves the branch, alternately going back to an
+earlier reply of it with a new question, and compacting: a new conversation of one summary message;
+the other turns continue the branch). Several run one after another for each K, like `--family`.
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ from common import (
 )
 
 PROMPT_IDS = list(range(3, 53))  # 50 tokens, as a short first-turn prompt
+WORKLOADS = ("linear", "branching")
+FIRST_MESSAGE = {"role": "user", "content": "Solve the task step by step, please."}
+SUMMARY = (
+    "Summary of the work so far: the task was split into three parts; the first two are solved and "
+    "checked, the third needs another approach because the direct method ran out of steps. "
+    "Continue from here."
+)
 # The journal's modes; `none` is a proxy without a dump directory (no journal: the baseline).
 DURABILITY_FLAGS = {
     "sync": ["--durability", "sync"],
@@ -63,6 +75,7 @@ class Measured:
     loop_rates: list[float]  # turns per second of each closed loop over its own active time
     wall: float
     errors: int
+    branches: int = 1  # leaves of the first session's tree (1 for a linear session)
 
 
 def start_offsets(sessions: int, latency_s: float) -> list[float]:
@@ -96,7 +109,24 @@ async def direct_load(url: str, sessions: int, turns: int, output_tokens: int, l
         return Measured(latencies, loop_rates, time.perf_counter() - start, 0)
 
 
-async def proxy_load(url: str, sessions: int, turns: int, output_tokens: int, latency_s: float) -> Measured:
+def next_request(workload: str, turn: int, messages: list[dict], rng: random.Random) -> list[dict]:
+    """The messages of turn `turn` (from 1), after `messages` (the branch so far, ending with the last
+    reply). `branching`: turns 2, 5, 8, ... leave the branch, alternately going back to an earlier
+    reply (not the last) with a new question, and compacting to a new conversation of one summary
+    message; the turns in between continue the branch, as every turn of `linear` does."""
+    if workload == "linear" or turn % 3 != 2:
+        return [*messages, {"role": "user", "content": f"Observation {turn - 1}: continue."}]
+    if (turn // 3) % 2 == 1:
+        return [{"role": "user", "content": SUMMARY}]
+    replies = [i for i, m in enumerate(messages[:-1]) if m["role"] == "assistant"]
+    back_to = rng.choice(replies)
+    question = f"Go back to step {back_to // 2} and try another way (turn {turn})."
+    return [*messages[: back_to + 1], {"role": "user", "content": question}]
+
+
+async def proxy_load(
+    url: str, sessions: int, turns: int, output_tokens: int, latency_s: float, workload: str = "linear"
+) -> Measured:
     latencies: list[float] = []
     loop_rates: list[float] = []
     errors = 0
@@ -106,13 +136,14 @@ async def proxy_load(url: str, sessions: int, turns: int, output_tokens: int, la
             async with http.post(f"{url}/v1/sessions", headers=ADMIN, json={}) as response:
                 created.append(await response.json())
 
-        async def worker(session: dict, offset: float) -> None:
+        async def worker(index: int, session: dict, offset: float) -> None:
             nonlocal errors
             await asyncio.sleep(offset)
             began = time.perf_counter()
             chat_url = f"{url}/v1/sessions/{session['session_id']}/chat/completions"
             auth = {"Authorization": f"Bearer {session['session_key']}"}
-            messages = [{"role": "user", "content": "Solve the task step by step, please."}]
+            messages = [FIRST_MESSAGE]
+            rng = random.Random(index)
             for turn in range(turns):
                 body = {"model": "m", "messages": messages, "max_tokens": output_tokens}
                 start = time.perf_counter()
@@ -122,14 +153,22 @@ async def proxy_load(url: str, sessions: int, turns: int, output_tokens: int, la
                         errors += 1
                         return
                 latencies.append(time.perf_counter() - start)
-                messages.append(answer["choices"][0]["message"])
-                messages.append({"role": "user", "content": f"Observation {turn}: continue."})
+                messages = next_request(workload, turn + 1, [*messages, answer["choices"][0]["message"]], rng)
             loop_rates.append(turns / (time.perf_counter() - began))
 
         start = time.perf_counter()
         offsets = start_offsets(sessions, latency_s)
-        await asyncio.gather(*(worker(s, o) for s, o in zip(created, offsets, strict=True)))
-        return Measured(latencies, loop_rates, time.perf_counter() - start, errors)
+        await asyncio.gather(
+            *(worker(i, s, o) for i, (s, o) in enumerate(zip(created, offsets, strict=True)))
+        )
+        wall = time.perf_counter() - start
+        first = created[0]  # not timed: how many branches a session's tree has
+        async with http.get(
+            f"{url}/v1/sessions/{first['session_id']}",
+            headers={"Authorization": f"Bearer {first['session_key']}"},
+        ) as response:
+            branches = (await response.json()).get("num_branches", 1)
+        return Measured(latencies, loop_rates, wall, errors, branches)
 
 
 def summarize(measured: Measured, sessions: int, latency_s: float) -> dict:
@@ -158,6 +197,7 @@ def run_one(
     log_requests: bool,
     tokenizer: Path | None = None,
     durability: str = "sync",
+    workload: str = "linear",
 ) -> dict:
     """One K: the same closed-loop load straight to the stand-in, then through a fresh proxy."""
     me = psutil.Process()
@@ -171,15 +211,17 @@ def run_one(
         flags.append("--log-requests" if log_requests else "--no-log-requests")
         flags += DURABILITY_FLAGS[durability]
         with proxy_process(work, stub, *flags, tokenizer=tokenizer) as (proxy, proxy_process_):
-            progress(f"K={sessions}: through the proxy, {sessions * turns} turns")
+            progress(f"K={sessions}: through the proxy, {sessions * turns} turns ({workload})")
             processes = {"proxy": proxy_process_, "upstream_stub": stub_process, "load_generator": me}
             before = {name: cpu_seconds(p) for name, p in processes.items()}
             measured = asyncio.run(
-                asyncio.wait_for(proxy_load(proxy, sessions, turns, output_tokens, latency_s), 600)
+                asyncio.wait_for(proxy_load(proxy, sessions, turns, output_tokens, latency_s, workload), 600)
             )
             used = {name: cpu_seconds(p) - before[name] for name, p in processes.items()}
             through = summarize(measured, sessions, latency_s)
+            through["branches_per_session"] = measured.branches
             stats = _stats(proxy)
+            through["tokens_held"] = stats["tokens_held"]
             if durability != "none":
                 journal = stats["journal"]
                 through.update(
@@ -202,6 +244,7 @@ def run_one(
         "output_tokens": output_tokens,
         "log_requests": log_requests,
         "durability": durability,
+        "workload": workload,
         "direct": direct,
         "proxy": through,
         "added_latency_p50_ms": round(through["latency_p50_ms"] - direct["latency_p50_ms"], 1),
@@ -216,26 +259,41 @@ def run_one(
     return result
 
 
-def plot(runs: list[dict], path: Path) -> None:
-    """Per K: the direct load's and each tokenizer's fraction of K/L (mean over rounds, each round a
-    dot), and the added latency."""
+def series_name(runs: list[dict]):
+    """A run's series in the plot: its tokenizer, with its workload and journal mode when the runs
+    have several."""
+    workloads = {r.get("workload", "linear") for r in runs}
+    modes = {r.get("durability", "sync") for r in runs}
+
+    def name_of(r: dict) -> str:
+        parts = [r.get("tokenizer", "test")]
+        if len(workloads) > 1:
+            parts.append(r.get("workload", "linear"))
+        if len(modes) > 1:
+            parts.append(r.get("durability", "sync"))
+        return ", ".join(parts)
+
+    return name_of
+
+
+def plot(runs: list[dict], path: Path, name_of=None) -> None:
+    """Per K: the direct load's and each series' fraction of K/L (mean over rounds, each round a
+    dot), and the added latency. A series is a tokenizer (with its workload and journal mode when
+    there are several), or what `name_of(run)` says."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    name_of = name_of or series_name(runs)
     ks = list(dict.fromkeys(r["sessions"] for r in runs))
-    tokenizers = list(dict.fromkeys(r.get("tokenizer", "test") for r in runs))
-    series = ["direct", *tokenizers]
+    names = list(dict.fromkeys(name_of(r) for r in runs))
+    series = ["direct", *names]
     width = 0.8 / len(series)
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11 if len(names) > 2 else 10, 4))
 
     def values(k: int, name: str, key) -> list[float]:
-        return [
-            key(r)
-            for r in runs
-            if r["sessions"] == k and (name == "direct" or r.get("tokenizer", "test") == name)
-        ]
+        return [key(r) for r in runs if r["sessions"] == k and (name == "direct" or name_of(r) == name)]
 
     for j, name in enumerate(series):
         key = (
@@ -256,10 +314,10 @@ def plot(runs: list[dict], path: Path) -> None:
     left.set_ylim(0, 1.05)
     left.legend(loc="lower left", fontsize="small")
     left.set_title(f"Throughput vs Little's-law bound (L = {runs[0]['upstream_latency_s']} s)")
-    width = 0.8 / (2 * len(tokenizers))
-    for j, name in enumerate(tokenizers):
+    width = 0.8 / (2 * len(names))
+    for j, name in enumerate(names):
         for q, quantile in enumerate(("p50", "p99")):
-            xs = [i + (2 * j + q - (2 * len(tokenizers) - 1) / 2) * width for i in range(len(ks))]
+            xs = [i + (2 * j + q - (2 * len(names) - 1) / 2) * width for i in range(len(ks))]
             samples = [values(k, name, lambda r, q_=quantile: r[f"added_latency_{q_}_ms"]) for k in ks]
             right.bar(xs, [sum(v) / len(v) for v in samples], width, label=f"{quantile} ({name})")
     right.set_xticks(range(len(ks)), [str(k) for k in ks])
@@ -286,6 +344,15 @@ def main() -> None:
         "templates (test kit: qwen3, llama31, ...); several run one after another for each K, "
         "the order reversed every other round",
     )
+    parser.add_argument(
+        "--workload",
+        nargs="+",
+        default=["linear"],
+        choices=WORKLOADS,
+        help="what the sessions send: `linear` (every turn continues the last, the default) or "
+        "`branching` (every third turn goes back to an earlier reply or compacts, alternately); "
+        "several run one after another for each K and tokenizer, the order reversed every other round",
+    )
     parser.add_argument("--rounds", type=int, default=1, help="repeat every K and tokenizer this many times")
     parser.add_argument(
         "--durability",
@@ -311,24 +378,32 @@ def main() -> None:
         for round_ in range(args.rounds):
             for k in args.sessions:
                 order = list(tokenizers) if round_ % 2 == 0 else list(reversed(tokenizers))
+                workloads = args.workload if round_ % 2 == 0 else list(reversed(args.workload))
                 for name in order:
-                    for durability in args.durability:
-                        progress(f"round {round_}, K={k}, tokenizer {name}, durability {durability}")
-                        result = run_one(
-                            work,
-                            k,
-                            args.turns,
-                            args.latency_s,
-                            args.output_tokens,
-                            not args.no_log_requests,
-                            tokenizers[name],
-                            durability,
-                        )
-                        runs.append({"round": round_, "tokenizer": name, **result})
+                    for workload in workloads:
+                        for durability in args.durability:
+                            progress(
+                                f"round {round_}, K={k}, tokenizer {name}, workload {workload}, "
+                                f"durability {durability}"
+                            )
+                            result = run_one(
+                                work,
+                                k,
+                                args.turns,
+                                args.latency_s,
+                                args.output_tokens,
+                                not args.no_log_requests,
+                                tokenizers[name],
+                                durability,
+                                workload,
+                            )
+                            runs.append({"round": round_, "tokenizer": name, **result})
     families = [name for name in tokenizers if name != "test"]
     suffix = ("-nolog" if args.no_log_requests else "") + "".join(f"-{name}" for name in families)
     if args.durability != ["sync"]:
         suffix += "-durability"
+    if args.workload != ["linear"]:
+        suffix += "".join(f"-{workload}" for workload in args.workload)
     save_result(
         "overhead" + suffix,
         {
@@ -336,6 +411,7 @@ def main() -> None:
             "command": " ".join(["./dev", "bench", "overhead", *sys.argv[1:]]),
             "load_average_1m_at_start": round(load_average, 2),
             "tokenizers": list(tokenizers),
+            "workloads": args.workload,
             "runs": runs,
         },
     )
