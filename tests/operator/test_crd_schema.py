@@ -2,7 +2,7 @@
 every schema node uses only OpenAPI schema keywords (a stray key, e.g. from a comma inside an
 unquoted YAML flow mapping, is dropped silently on create and rejected on update); and its OpenAPI
 part (types, enums, bounds, patterns) accepts and rejects what it should. The CEL rules and the
-API server's refusal of unknown fields need a real API server: tests/e2e/test_crd.py."""
+API server's refusal of unknown fields need a real API server: e2e/tests/test_crd.py."""
 
 from __future__ import annotations
 

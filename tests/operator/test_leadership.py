@@ -1,5 +1,5 @@
 """Leader election's pure rules (who creates, takes over, renews or waits) and the standby's health
-endpoint; the Lease against a real API server and a killed leader are in tests/e2e/test_operator_ha.py."""
+endpoint; the Lease against a real API server and a killed leader are in e2e/tests/test_operator_ha.py."""
 
 from __future__ import annotations
 

@@ -190,7 +190,7 @@ def test_project_dockerfiles_build_from_a_public_base_and_product_images_hold_no
         arg = dockerfile.key_values(parsed[0].text)
         assert parsed[0].keyword == "ARG" and arg == {"BASE": "python:3.11-slim"}, name
         copies = " ".join(i.text for i in parsed if i.keyword == "COPY")
-        test_kit = any(word == "testkit" or word.startswith("testkit/") for word in copies.split())
+        test_kit = any(word == "e2e" or word.startswith("e2e/") for word in copies.split())
         assert test_kit == (name in ("testkit", "sglang-emulator")), name
         if name in ("proxy", "operator"):
             assert any(i.keyword == "USER" and i.text == "65532:65532" for i in parsed), name

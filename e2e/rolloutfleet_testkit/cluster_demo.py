@@ -48,7 +48,7 @@ REPAIR_TIMEOUT_S = 180
 MIB = 2**20
 MEMORY_FLEET, MEMORY_PROXY = "memory-demo", "memory-demo-proxy-0"
 PROXY_MEMORY_LIMIT_MIB = (
-    208  # its cgroup memory limit: the kernel OOM-kills above it (tests/e2e/test_oom_kill.py)
+    208  # its cgroup memory limit: the kernel OOM-kills above it (e2e/tests/test_oom_kill.py)
 )
 BUDGET_ABOVE_REST_MIB = 40
 GROWTH_WORDS_PER_TURN = 20000  # turns with long user messages grow a proxy (live set and heap)

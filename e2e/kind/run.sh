@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The e2e suite on kind, for hosts with a Docker engine (the project's own machines have none, so
-# this path is not exercised in CI there). Usage: testkit/kind/run.sh [pytest args]
+# this path is not exercised in CI there). Usage: e2e/kind/run.sh [pytest args]
 # The images are built from the same Dockerfiles (images/) the local cluster builds without Docker.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 NAME="${KIND_CLUSTER:-rolloutfleet-e2e}"
 VERSION="$("$ROOT/dev" version)"  # pyproject.toml, the one version source (docs/release.md)
 cd "$ROOT"
-kind create cluster --name "$NAME" --config testkit/kind/kind-config.yaml
+kind create cluster --name "$NAME" --config e2e/kind/kind-config.yaml
 trap 'kind delete cluster --name "$NAME"' EXIT
 GPU_NODE="$(kubectl get nodes -l nvidia.com/gpu.present=true -o name | head -1)"
 kubectl taint "$GPU_NODE" nvidia.com/gpu=present:NoSchedule --overwrite
@@ -30,4 +30,4 @@ export KUBECONFIG="$(mktemp)"
 kind get kubeconfig --name "$NAME" > "$KUBECONFIG"
 # Servers the tests run on this host for pods (engine stand-ins) bind the kind network's gateway.
 export ROLLOUTFLEET_HOST_IP="$(docker network inspect kind -f '{{(index .IPAM.Config 0).Gateway}}')"
-./dev test tests/e2e -m e2e "$@"
+./dev test e2e/tests -m e2e "$@"

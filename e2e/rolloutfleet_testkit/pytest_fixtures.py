@@ -1,7 +1,6 @@
-"""Shared test helpers: real servers on loopback sockets, real subprocesses, the test tokenizer.
-
-The helpers themselves live in `rolloutfleet_testkit.processes` (the demo and benchmarks use them too).
-"""
+"""Fixtures shared by the unit suite (tests/) and the e2e suite (e2e/tests/), loaded by both through
+pytest's `-p rolloutfleet_testkit.pytest_fixtures` (pyproject.toml's addopts): two test trees, one
+definition of the test tokenizer and the session-wide SGLang emulator."""
 
 from __future__ import annotations
 
@@ -10,6 +9,7 @@ import pathlib
 from collections.abc import Iterator
 
 import pytest
+
 from rolloutfleet_testkit.processes import serve_app
 
 # Nothing in the tests may reach a model hub; a hub lookup must fail fast instead of hanging.
