@@ -64,8 +64,12 @@ def wait_http_ok(
 
 
 @contextlib.contextmanager
-def serve_app(app, host: str = LOOPBACK, startup_timeout: float = 30.0, **config) -> Iterator[str]:
+def serve_app(
+    app, host: str = LOOPBACK, startup_timeout: float = 30.0, port: int = 0, **config
+) -> Iterator[str]:
     """Run an ASGI app on a real uvicorn server in a background thread; yields its base URL.
+    `port` 0 takes a free one (e.g. a fixed one serves several apps on one port, each on its own
+    loopback address, as pods of one fleet listen on one port at their own IPs).
 
     The socket is bound here before the server starts, so the URL is valid at once and no other
     process can take the port in between. The server runs its own event loop in its thread and
@@ -77,7 +81,7 @@ def serve_app(app, host: str = LOOPBACK, startup_timeout: float = 30.0, **config
     server = uvicorn.Server(uvicorn.Config(app, **settings))
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, 0))
+    sock.bind((host, port))
     port = sock.getsockname()[1]
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True

@@ -231,6 +231,9 @@ class ProxySpec:
     cleanup_interval_s: float
     drain_grace_s: int
     termination_grace_period_s: int
+    # How long a proxy stuck terminating on a lost node stays, past its grace period, before it is
+    # force-deleted (lost_proxies.py).
+    lost_proxy_timeout_s: int
     dump: DumpSpec
     memory: MemorySpec
     admission: AdmissionSpec
@@ -378,6 +381,7 @@ def _parse_proxy(raw: Mapping[str, Any], defaults: OperatorDefaults) -> ProxySpe
         termination_grace_period_s=int(
             _get(raw, "terminationGracePeriodSeconds", "proxy.terminationGracePeriodSeconds")
         ),
+        lost_proxy_timeout_s=int(_get(raw, "lostProxyTimeoutSeconds", "proxy.lostProxyTimeoutSeconds")),
         dump=_parse_dump(raw.get("dump") or {}),
         memory=_parse_memory(raw.get("memory") or {}),
         admission=_parse_admission(raw.get("admission") or {}),

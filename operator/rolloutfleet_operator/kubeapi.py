@@ -159,21 +159,24 @@ class KubeApi:
                 return False
             raise
 
-    def evict(self, namespace: str, name: str) -> str:
+    def evict(self, namespace: str, name: str, uid: str | None = None) -> str:
         """Evict a pod through the Eviction API, which honours its PodDisruptionBudgets (and then
-        deletes it gracefully): "evicted", "gone" (404), or "refused" (429: a budget allows no
+        deletes it gracefully): "evicted", "gone" (404; or 409 with `uid`: the name now holds
+        another pod, which is never the one evicted), or "refused" (429: a budget allows no
         disruption now; try again later)."""
         path = resource_path("v1", "Pod", namespace, name) + "/eviction"
-        body = {
+        body: dict[str, Any] = {
             "apiVersion": "policy/v1",
             "kind": "Eviction",
             "metadata": {"name": name, "namespace": namespace},
         }
+        if uid:
+            body["deleteOptions"] = {"preconditions": {"uid": uid}}
         try:
             self.request("POST", path, body=body)
             return "evicted"
         except ApiException as exc:
-            if exc.status == 404:
+            if exc.status == 404 or (exc.status == 409 and uid):
                 return "gone"
             if exc.status == 429:
                 return "refused"

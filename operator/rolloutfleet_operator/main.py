@@ -19,6 +19,7 @@ from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER
 from .fleet_loop import FleetLoops
 from .kubeapi import RESOURCES, KubeApi, load_configuration
 from .leadership import Election, Leadership, LeaseClient, StandbyHealth, wait_for_leadership
+from .lost_proxies import force_delete_message, lost_message
 from .memory_watchdog import FleetWatchdog
 from .pacing import TokenBucket
 from .plan import is_ready, pod_event_needs_pass
@@ -116,7 +117,21 @@ async def _pass(body: kopf.Body) -> bool:
         kopf.info(body, reason=reason, message=f"deleted proxy pod {pod} ({reason})")
     for failure in result.failures:
         kopf.warn(body, reason="FailedCreate", message=failure)
+    for pod in result.adopted:
+        kopf.info(body, reason="Adopted", message=f"adopted the orphaned proxy pod {pod}")
+    for lost in result.lost:
+        message = lost_message(lost)
+        kopf.warn(body, reason="ProxyLost", message=message)
+        _post_event(_pod_ref(body, lost.pod, lost.uid), "Warning", "ProxyLost", message)
+    for lost in result.force_deleted:
+        kopf.warn(body, reason="ForceDeleted", message=force_delete_message(lost))
     return not result.failures
+
+
+def _pod_ref(fleet: kopf.Body, name: str, uid: str) -> dict:
+    """An Event's involvedObject for a pod of the fleet known by name and uid."""
+    meta = {"name": name, "namespace": fleet["metadata"]["namespace"], "uid": uid}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta}
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)

@@ -1,10 +1,18 @@
 """One fleet's memory watchdog: each cycle polls the proxies' /stats, decides (watchdog.py, pure) and
-acts: graceful deletion of over-budget proxies, Events, metrics and the fleet's status.
+acts: eviction of over-budget proxies, Events, metrics and the fleet's status.
+
+The polls run on their own; the decision and what follows run under the fleet's lock, the one the
+reconciler's pass holds, on the newest cached spec: a roll step and a memory restart never decide
+from the same view. A decision to restart is made again from the proxy pods read from the API
+server (not the cache, which may lag a roll step or a drain by an event), and each restart is an
+eviction, so the fleet's PodDisruptionBudget has the last word: a refusal (429) is a hold with its
+reason in the MemoryPressure condition, never a DELETE past the budget.
 
 API requests per cycle, whatever the fleet's size: none at rest (the pods and the fleet come from
 the watch caches, watch_cache.py), one status patch when the condition or memoryRestarts changed
-(two more when the cache lagged: a refused patch and a read), plus one delete per restart. Polls go
-straight to pod IPs, bounded in concurrency and time (stats_poll.py).
+(two more when the cache lagged: a refused patch and a read), plus, when a restart is decided, one
+list of the proxy pods and one eviction per restart. Polls go straight to pod IPs, bounded in
+concurrency and time (stats_poll.py).
 """
 
 from __future__ import annotations
@@ -19,10 +27,11 @@ import aiohttp
 
 from . import metrics, watchdog
 from .conditions import set_condition
-from .fleet import Fleet, proxy_ordinal
-from .kubeapi import KubeApi, resource_path
-from .plan import ProxyPodView, proxy_pod_view
-from .reconcile import POD, write_status
+from .fleet import Fleet, parse_fleet
+from .kubeapi import KubeApi
+from .ownership import claim_proxy_pods, proxy_views
+from .plan import ProxyPodView
+from .reconcile import POD, fresh_proxy_pods, write_status
 from .reconcile import now_rfc3339 as _now_rfc3339
 from .stats_poll import poll_stats, stats_url
 from .watch_cache import FleetStore, OwnedObjects
@@ -66,7 +75,7 @@ class FleetWatchdog:
         owned: OwnedObjects,
         http: aiohttp.ClientSession,
         post_event: EventSink,
-        status_lock: asyncio.Lock,
+        lock: asyncio.Lock,
         clock: Callable[[], float] = time.monotonic,
         now_rfc3339: Callable[[], str] | None = None,
     ):
@@ -75,7 +84,7 @@ class FleetWatchdog:
         self.owned = owned
         self.http = http
         self.post_event = post_event
-        self.status_lock = status_lock  # shared with the reconciler: one status writer at a time
+        self.lock = lock  # the fleet's, shared with the reconciler: one decision or status write at a time
         self.state = watchdog.FleetMemoryState({})
         self._clock = clock
         self._now_rfc3339 = now_rfc3339 or _now_rfc3339
@@ -100,28 +109,38 @@ class FleetWatchdog:
             metrics.WATCHDOG_CYCLES.labels(fleet.namespace, fleet.name).inc()
             metrics.WATCHDOG_API_REQUESTS.labels(fleet.namespace, fleet.name).inc(self._requests)
 
-    async def _cycle(self, fleet: Fleet) -> None:
+    async def _cycle(self, polled: Fleet) -> None:
+        """`polled`: the fleet as the loop last parsed it, which says what to poll; the decision
+        takes the newest spec once it holds the lock."""
+        samples: dict[str, watchdog.Sample] = {}
+        if polled.proxy.memory.enabled:  # off: no polls, only the condition saying so
+            samples = await self._poll(polled)
+        async with self.lock:
+            body = self.fleets.to_act_on(polled.namespace, polled.name)
+            if body is None:  # gone, or an older spec than one already acted on
+                return
+            await self._decide_and_act(parse_fleet(body), samples)
+
+    async def _poll(self, fleet: Fleet) -> dict[str, watchdog.Sample]:
+        pods = self._owned_pods(fleet)
+        targets = poll_targets(pods, proxy_views(fleet, pods), fleet.proxy.port)
+        metrics.WATCHDOG_POLLS.labels(fleet.namespace, fleet.name).inc(len(targets))
+        return await poll_stats(
+            targets,
+            timeout_s=poll_timeout(fleet.proxy.memory.check_interval_s),
+            concurrency=POLL_CONCURRENCY,
+            session=self.http,
+        )
+
+    def _owned_pods(self, fleet: Fleet) -> list[dict[str, Any]]:
+        """The fleet's own proxy pods from the watch cache (ownership.py: never another's)."""
+        pods = self.owned.of_fleet(POD, fleet.namespace, fleet.name, "proxy")
+        return [dict(pod) for pod in claim_proxy_pods(fleet, pods).owned]
+
+    async def _decide_and_act(self, fleet: Fleet, samples: dict[str, watchdog.Sample]) -> None:
         spec = fleet.proxy.memory
         metrics.PROXY_RSS_BUDGET.labels(fleet.namespace, fleet.name).set(spec.rss_budget_bytes)
-        pods: list[dict[str, Any]] = []
-        samples: dict[str, watchdog.Sample] = {}
-        if spec.enabled:  # off: no polls, only the condition saying so
-            pods = self.owned.of_fleet(POD, fleet.namespace, fleet.name, "proxy")
-        by_name = {pod["metadata"]["name"]: pod for pod in pods}
-        views = {}
-        for name, pod in by_name.items():
-            ordinal = proxy_ordinal(fleet, name)
-            if ordinal is not None:
-                views[name] = proxy_pod_view(pod, ordinal)
-        if spec.enabled:
-            targets = poll_targets(pods, views, fleet.proxy.port)
-            metrics.WATCHDOG_POLLS.labels(fleet.namespace, fleet.name).inc(len(targets))
-            samples = await poll_stats(
-                targets,
-                timeout_s=poll_timeout(spec.check_interval_s),
-                concurrency=POLL_CONCURRENCY,
-                session=self.http,
-            )
+        pods = self._owned_pods(fleet) if spec.enabled else []
         self._record_samples(fleet, samples)
         now = self._clock()
         if not self._seeded:
@@ -134,13 +153,26 @@ class FleetWatchdog:
         self.state = watchdog.observe(self.state, samples, now, spec)
         wanted = {f"{fleet.name}-proxy-{i}" for i in range(fleet.proxy.replicas)}
         self.state = watchdog.retain(self.state, wanted)
+        views = proxy_views(fleet, pods)
         decision = watchdog.decide(self.state, list(views.values()), now, spec, desired=fleet.proxy.replicas)
-        metrics.PROXIES_IN_BACKOFF.labels(fleet.namespace, fleet.name).set(len(decision.in_backoff))
+        if decision.restart:
+            # Decided again from the pods as they are now: the cache may lag a roll step or a drain.
+            claim = await fresh_proxy_pods(self._call, self.api, fleet)
+            pods = [dict(pod) for pod in claim.owned]
+            views = proxy_views(fleet, pods)
+            decision = watchdog.decide(
+                self.state, list(views.values()), now, spec, desired=fleet.proxy.replicas
+            )
+        by_name = {pod["metadata"]["name"]: pod for pod in pods}
         restarts = []
         for restart in decision.restart:
-            if await self._restart(fleet, by_name[restart.pod], restart):
+            outcome = await self._restart(fleet, by_name[restart.pod], restart)
+            if outcome == "evicted":
                 self.state = watchdog.record_restart(self.state, restart.pod, restart.rss_bytes, now, spec)
                 restarts.append((restart, self._now_rfc3339()))
+            elif outcome == "refused":
+                decision = watchdog.refused(decision, restart.pod)
+        metrics.PROXIES_IN_BACKOFF.labels(fleet.namespace, fleet.name).set(len(decision.in_backoff))
         self._report_holds(fleet, by_name, decision, now)
         await self._write_status(fleet, decision, restarts, samples)
 
@@ -154,26 +186,25 @@ class FleetWatchdog:
             elif isinstance(sample, watchdog.PollFailure):
                 metrics.POLL_FAILURES.labels(fleet.namespace, fleet.name, reason_label(sample.reason)).inc()
 
-    async def _restart(self, fleet: Fleet, pod: dict[str, Any], restart: watchdog.Restart) -> bool:
-        """Graceful deletion with the pod's own grace period; the uid precondition makes sure a
-        replacement that took the name in between is never the one deleted."""
+    async def _restart(self, fleet: Fleet, pod: dict[str, Any], restart: watchdog.Restart) -> str:
+        """Evict the proxy (graceful, with its own grace period, if its PodDisruptionBudget allows);
+        the uid precondition makes sure a replacement that took the name in between is never the
+        one evicted. The outcome: "evicted", "refused" (429), "gone", or "failed" (logged)."""
         meta = pod["metadata"]
-        path = resource_path("v1", "Pod", fleet.namespace, meta["name"])
-        body = {"preconditions": {"uid": meta["uid"]}}
         try:
-            deleted = await self._call(self.api.delete, path, body)
-        except Exception as exc:  # a refused delete is reported and retried next cycle
-            log.warning("fleet %s/%s: deleting %s failed: %s", fleet.namespace, fleet.name, meta["name"], exc)
-            return False
-        if not deleted:
-            return False
+            outcome: str = await self._call(self.api.evict, fleet.namespace, meta["name"], meta["uid"])
+        except Exception as exc:  # reported and decided again next cycle
+            log.warning("fleet %s/%s: evicting %s failed: %s", fleet.namespace, fleet.name, meta["name"], exc)
+            return "failed"
+        if outcome != "evicted":
+            return outcome
         message = watchdog.restart_message(restart, fleet.proxy.memory)
         log.info("fleet %s/%s: %s", fleet.namespace, fleet.name, message)
         self.post_event(_fleet_ref(fleet), "Warning", "MemoryRestart", message)
         self.post_event(_as_pod(pod), "Warning", "MemoryRestart", message)
         metrics.MEMORY_RESTARTS.labels(fleet.namespace, fleet.name, "OverBudget").inc()
         metrics.PROXIES_DELETED.labels(fleet.namespace, fleet.name, "MemoryBudget").inc()
-        return True
+        return outcome
 
     def _report_holds(
         self, fleet: Fleet, pods: Mapping[str, dict[str, Any]], decision: watchdog.Decision, now: float
@@ -223,8 +254,7 @@ class FleetWatchdog:
                 update["memoryRestarts"] = memory_restarts
             return update
 
-        async with self.status_lock:
-            await write_status(self._call_api, self.fleets, fleet.namespace, fleet.name, update_for)
+        await write_status(self._call_api, self.fleets, fleet.namespace, fleet.name, update_for)
 
 
 def _as_pod(pod: dict[str, Any]) -> dict[str, Any]:

@@ -31,6 +31,7 @@ is not Ready or terminating.
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,10 @@ class ProxyPodView:
     template_hash: str | None = None
     deleting: bool = False
     waiting_reason: str | None = None  # the proxy container's state.waiting.reason, if waiting
+    uid: str = ""
+    node: str | None = None  # spec.nodeName: the node it is bound to, None before scheduling
+    # metadata.deletionTimestamp as epoch seconds: when its grace period ends (None: not deleted)
+    deletion_deadline: float | None = None
 
     @property
     def down(self) -> bool:
@@ -110,7 +115,24 @@ def proxy_pod_view(pod: Mapping[str, Any], ordinal: int, container: str = "proxy
         template_hash=(metadata.get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION),
         deleting=metadata.get("deletionTimestamp") is not None,
         waiting_reason=waiting,
+        uid=metadata.get("uid") or "",
+        node=(pod.get("spec") or {}).get("nodeName") or None,
+        deletion_deadline=epoch_seconds(metadata.get("deletionTimestamp")),
     )
+
+
+def epoch_seconds(timestamp: str | None) -> float | None:
+    """An API timestamp (RFC 3339, e.g. `2025-01-02T03:04:05Z`) as epoch seconds; None for None
+    or an unreadable one."""
+    if not timestamp:
+        return None
+    try:
+        parsed = datetime.datetime.fromisoformat(timestamp)
+    except ValueError:
+        return None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.UTC)
+    return parsed.timestamp()
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,22 @@ import datetime
 import json
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
 from . import metrics
-from .conditions import ObservedState, fleet_status
+from .conditions import ObservedState, fleet_status, set_condition
 from .desired_state import apply_reason, with_desired_hash
-from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal
-from .kubeapi import KubeApi, fleet_path, resource_path
+from .fleet import Fleet, engine_name, gateway_name, parse_fleet, selector_string
+from .kubeapi import STRATEGIC, KubeApi, fleet_path, resource_path
+from .lost_proxies import LostProxy, lost_condition, lost_proxies, nodes_to_check
 from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash, unwanted_children
-from .plan import VOLUNTARY_DISRUPTIONS, ProxyPodView, plan_proxies, proxy_pod_view, ready_pod_urls
+from .ownership import ProxyClaim, adoption_patch, claim_proxy_pods, proxy_views
+from .plan import VOLUNTARY_DISRUPTIONS, Plan, ProxyPodView, plan_proxies, ready_pod_urls
 from .watch_cache import FleetStore, OwnedObjects
 
 log = logging.getLogger("rolloutfleet.operator")
@@ -48,6 +51,10 @@ class PassResult:
     deleted: list[tuple[str, str]] = field(default_factory=list)  # (pod, reason)
     deleted_children: list[str] = field(default_factory=list)  # "Kind/name" no longer wanted
     failures: list[str] = field(default_factory=list)
+    adopted: list[str] = field(default_factory=list)  # orphaned proxy pods given the fleet's ownerReference
+    lost: list[LostProxy] = field(default_factory=list)  # proxies that became lost with their node
+    force_deleted: list[LostProxy] = field(default_factory=list)
+    stale: bool = False  # skipped: its spec was older than one already acted on
 
 
 Call = Callable[..., Awaitable[Any]]
@@ -93,17 +100,34 @@ def _patch(api: KubeApi, path: str, body: dict) -> dict | None:
     return api.patch(path, body)
 
 
+async def fresh_proxy_pods(call: Call, api: KubeApi, fleet: Fleet) -> ProxyClaim:
+    """The fleet's proxy pods read from the API server now (a quorum read, not the watch cache):
+    what a voluntary disruption (a roll step, a memory restart) is decided from, under the fleet's
+    lock, so it counts the proxies down as they are, not as a lagging cache shows them."""
+    pods = await call(api.list, "v1", "Pod", fleet.namespace, selector_string(fleet, "proxy"))
+    return claim_proxy_pods(fleet, pods)
+
+
 class Reconciler:
-    def __init__(self, api: KubeApi, fleets: FleetStore, owned: OwnedObjects):
+    def __init__(
+        self,
+        api: KubeApi,
+        fleets: FleetStore,
+        owned: OwnedObjects,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         self.api = api
         self.fleets = fleets
         self.owned = owned
+        self._wall_clock = wall_clock  # epoch seconds, compared with pods' deletionTimestamps
         self._locks: dict[tuple[str, str], asyncio.Lock] = {}
         # Per fleet, the admin-key Secret (name, fleet uid) seen or created: checked once, as the
         # operator does not watch Secrets (its role may only get and create them).
         self._admin_keys: dict[tuple[str, str], tuple[str, str]] = {}
         # (uid, generation) of the spec whose unwanted children were last removed, per fleet.
         self._pruned: dict[tuple[str, str], tuple[str, int]] = {}
+        # Per fleet, the uids of the proxies reported lost (a ProxyLost Event once per pod).
+        self._lost: dict[tuple[str, str], set[str]] = {}
 
     def lock_for(self, namespace: str, name: str) -> asyncio.Lock:
         """One pass or status write per fleet at a time: kopf runs the fleet's handlers, its timer,
@@ -115,6 +139,7 @@ class Reconciler:
         self._locks.pop((namespace, name), None)
         self._pruned.pop((namespace, name), None)
         self._admin_keys.pop((namespace, name), None)
+        self._lost.pop((namespace, name), None)
 
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -124,9 +149,16 @@ class Reconciler:
         return await asyncio.to_thread(fn, self.api, *args)
 
     async def reconcile(self, body: dict[str, Any]) -> PassResult:
-        fleet = parse_fleet(body)
-        async with self.lock_for(fleet.namespace, fleet.name):
-            return await self._reconcile(fleet)
+        """One pass, on the newest spec known once the fleet's lock is taken (`body` may have
+        waited for the lock while a newer one arrived); skipped when that spec is older than one a
+        pass or the watchdog already acted on."""
+        namespace, name = body["metadata"].get("namespace") or "default", body["metadata"]["name"]
+        async with self.lock_for(namespace, name):
+            current = self.fleets.to_act_on(namespace, name, body)
+            if current is None:
+                log.info("fleet %s/%s: skipping a pass on an older spec", namespace, name)
+                return PassResult(stale=True)
+            return await self._reconcile(parse_fleet(current))
 
     async def _reconcile(self, fleet: Fleet) -> PassResult:
         result = PassResult()
@@ -152,7 +184,9 @@ class Reconciler:
         spec = (fleet.uid, fleet.generation)
         if self._pruned.get((fleet.namespace, fleet.name)) != spec and await self._prune(fleet, result):
             self._pruned[(fleet.namespace, fleet.name)] = spec
-        observed = self._observe(fleet, await self._reconcile_proxies(fleet, result), result.failures)
+        views, lost = await self._reconcile_proxies(fleet, result)
+        observed = self._observe(fleet, views, result.failures)
+        still_lost = [p for p in lost if p not in result.force_deleted]
         for state, count in (
             ("desired", fleet.proxy.replicas),
             ("ready", sum(1 for v in observed.proxies if v.ready)),
@@ -164,7 +198,11 @@ class Reconciler:
             # The status as stored, not as in the body this pass started from: the memory watchdog
             # may have set its condition since, and the conditions list is written whole.
             previous = current.get("status") or {}
-            status = fleet_status(fleet, observed, now_rfc3339(), previous.get("conditions") or [])
+            now = now_rfc3339()
+            status = fleet_status(fleet, observed, now, previous.get("conditions") or [])
+            status["conditions"] = set_condition(
+                status["conditions"], lost_condition(still_lost, fleet.generation), now
+            )
             metrics.FLEET_READY.labels(fleet.namespace, fleet.name).set(
                 any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
             )
@@ -209,37 +247,101 @@ class Reconciler:
                 metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, "Secret").inc()
         self._admin_keys[(fleet.namespace, fleet.name)] = remembered
 
-    def _proxy_views(self, fleet: Fleet) -> list[ProxyPodView]:
-        views = []
-        for pod in self.owned.of_fleet(POD, fleet.namespace, fleet.name, "proxy"):
-            ordinal = proxy_ordinal(fleet, pod["metadata"]["name"])
-            if ordinal is not None:
-                views.append(proxy_pod_view(pod, ordinal))
-        return views
-
-    async def _reconcile_proxies(self, fleet: Fleet, result: PassResult) -> list[ProxyPodView]:
-        views = self._proxy_views(fleet)
+    async def _reconcile_proxies(
+        self, fleet: Fleet, result: PassResult
+    ) -> tuple[list[ProxyPodView], tuple[LostProxy, ...]]:
+        claim = claim_proxy_pods(fleet, self.owned.of_fleet(POD, fleet.namespace, fleet.name, "proxy"))
+        owned = list(claim.owned) + await self._adopt(fleet, claim.orphans, result)
+        views = list(proxy_views(fleet, owned).values())
+        lost = await self._handle_lost(fleet, views, result)
         current = template_hash(fleet)
         plan = plan_proxies(fleet.proxy.replicas, views, current)
+        if any(d.reason in VOLUNTARY_DISRUPTIONS for d in plan.delete):
+            # A Ready proxy taken down by choice: decided again from the pods as they are now.
+            claim = await fresh_proxy_pods(self._call, self.api, fleet)
+            views = list(proxy_views(fleet, claim.owned).values())
+            plan = plan_proxies(fleet.proxy.replicas, views, current)
+        uids = {view.name: view.uid for view in views}
+        await self._carry_out(fleet, plan, uids, claim.foreign_names, result)
+        return views, lost
+
+    async def _adopt(self, fleet: Fleet, orphans: Iterable[Mapping[str, Any]], result: PassResult) -> list:
+        """Give orphaned proxy pods the fleet's ownerReference (ownership.py); the pods adopted."""
+        adopted = []
+        for pod in orphans:
+            name = pod["metadata"]["name"]
+            path = resource_path("v1", "Pod", fleet.namespace, name)
+            try:
+                patched = await self._call(self.api.patch, path, adoption_patch(fleet, pod), STRATEGIC)
+            except ApiException as exc:  # 409: the name now holds another pod; decided again next pass
+                log.info("fleet %s/%s: not adopting %s: %s", fleet.namespace, fleet.name, name, _reason(exc))
+                continue
+            if patched is not None:
+                adopted.append(patched)
+                result.adopted.append(name)
+        return adopted
+
+    async def _handle_lost(
+        self, fleet: Fleet, views: list[ProxyPodView], result: PassResult
+    ) -> tuple[LostProxy, ...]:
+        """Proxies stuck terminating on a lost node (lost_proxies.py): reported when they become
+        lost, force-deleted once their timeout is over. Reads a Node only while a proxy is
+        terminating past its grace period."""
+        key = (fleet.namespace, fleet.name)
+        now = self._wall_clock()
+        nodes: dict[str, dict | None] = {}
+        for node in sorted(nodes_to_check(views, now)):
+            try:
+                nodes[node] = await self._call(self.api.get, f"/api/v1/nodes/{node}")
+            except ApiException as exc:  # e.g. a chart without the nodes rule: not judged
+                log.warning("fleet %s/%s: cannot read node %s: %s", *key, node, _reason(exc))
+        lost = lost_proxies(views, nodes, now, fleet.proxy.lost_proxy_timeout_s)
+        reported = self._lost.setdefault(key, set())
+        result.lost = [p for p in lost if p.uid not in reported]
+        self._lost[key] = {p.uid for p in lost}
+        for proxy in lost:
+            if not proxy.due(now):
+                continue
+            body = {"gracePeriodSeconds": 0, "preconditions": {"uid": proxy.uid}}
+            path = resource_path("v1", "Pod", fleet.namespace, proxy.pod)
+            try:
+                deleted = await self._call(self.api.delete, path, body)
+            except ApiException as exc:  # 409: already replaced under its name
+                log.info("fleet %s/%s: not force-deleting %s: %s", *key, proxy.pod, _reason(exc))
+                continue
+            if deleted:
+                result.force_deleted.append(proxy)
+                metrics.PROXIES_DELETED.labels(fleet.namespace, fleet.name, "NodeLost").inc()
+        return lost
+
+    async def _carry_out(
+        self, fleet: Fleet, plan: Plan, uids: Mapping[str, str], foreign: frozenset[str], result: PassResult
+    ) -> None:
         failures = result.failures
         for ordinal in plan.create:
             manifest = proxy_pod(fleet, ordinal)
+            name = manifest["metadata"]["name"]
+            if name in foreign:  # an earlier fleet's pod, or another controller's: wait until it is gone
+                failures.append(f"Pod/{name}: the name is held by a pod this fleet does not own")
+                continue
             try:
                 created = await self._call(
                     self.api.create, resource_path("v1", "Pod", fleet.namespace), manifest
                 )
             except ApiException as exc:
-                failures.append(f"Pod/{manifest['metadata']['name']}: {_reason(exc)}")
+                failures.append(f"Pod/{name}: {_reason(exc)}")
                 continue
             if created is not None:
-                result.created.append(manifest["metadata"]["name"])
+                result.created.append(name)
                 metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, "Pod").inc()
         for deletion in plan.delete:
             # Graceful: the pod's own terminationGracePeriodSeconds lets the proxy drain and dump.
             if deletion.reason in VOLUNTARY_DISRUPTIONS:
                 # A Ready proxy taken down by choice goes through the Eviction API, so the fleet's
                 # PodDisruptionBudget also covers node drains running at the same time.
-                outcome = await self._call(self.api.evict, fleet.namespace, deletion.name)
+                outcome = await self._call(
+                    self.api.evict, fleet.namespace, deletion.name, uids.get(deletion.name)
+                )
                 if outcome == "refused":
                     log.info(
                         "fleet %s/%s: %s waits for its disruption budget",
@@ -257,7 +359,6 @@ class Reconciler:
                 metrics.PROXIES_DELETED.labels(fleet.namespace, fleet.name, deletion.reason).inc()
         if plan.waiting:
             log.info("fleet %s/%s: %s", fleet.namespace, fleet.name, plan.waiting)
-        return views
 
     def _observe(self, fleet: Fleet, views: list[ProxyPodView], failures: list[str]) -> ObservedState:
         """What the status is computed from; the pods as they were when this pass planned (its own

@@ -77,10 +77,11 @@ def _component(obj: Mapping[str, Any]) -> str | None:
 
 
 class FleetStore:
-    """The latest known body of each fleet."""
+    """The latest known body of each fleet, and the newest spec acted on."""
 
     def __init__(self) -> None:
         self._bodies: dict[Key, dict[str, Any]] = {}
+        self._acted: dict[Key, tuple[str, int]] = {}  # (uid, generation) last acted on
 
     def put(self, body: Mapping[str, Any]) -> None:
         """A watch event's body, or the answer to a write (the object as stored after it)."""
@@ -92,6 +93,44 @@ class FleetStore:
 
     def forget(self, namespace: str, name: str) -> None:
         self._bodies.pop((namespace, name), None)
+        self._acted.pop((namespace, name), None)
+
+    def to_act_on(
+        self, namespace: str, name: str, given: Mapping[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        """The body a pass or a watchdog cycle acts on, asked for once it holds the fleet's lock:
+        the newer of `given` (the body it was started with, which may be older than what arrived
+        while it waited) and the cached one; None when that spec is older than one already acted on
+        (a late event) or there is none. Recorded as acted on."""
+        key = (namespace, name)
+        body = newest_body(given, self._bodies.get(key))
+        if body is None:
+            return None
+        uid, generation = _spec_of(body)
+        acted = self._acted.get(key)
+        if acted is not None and acted[0] == uid and generation < acted[1]:
+            return None
+        self._acted[key] = (uid, generation)
+        return body
 
     def __contains__(self, key: object) -> bool:
         return key in self._bodies
+
+
+def _spec_of(body: Mapping[str, Any]) -> tuple[str, int]:
+    meta = body.get("metadata") or {}
+    return str(meta.get("uid") or ""), int(meta.get("generation") or 0)
+
+
+def newest_body(given: Mapping[str, Any] | None, cached: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """Of two bodies of one fleet, the one to act on: the cached one (fed by the watch and by the
+    answers to status writes) unless `given` is of the same object (uid) with a newer spec
+    (generation). Another uid in the cache is the fleet as it now exists (deleted and created again)."""
+    if cached is None or given is None:
+        chosen = cached if given is None else given
+        return dict(chosen) if chosen is not None else None
+    given_uid, given_generation = _spec_of(given)
+    cached_uid, cached_generation = _spec_of(cached)
+    if given_uid == cached_uid and given_generation > cached_generation:
+        return dict(given)
+    return dict(cached)

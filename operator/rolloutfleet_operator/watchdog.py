@@ -5,8 +5,9 @@ clock of the caller's choice (monotonic or epoch), the same for every call on on
 
     state = observe(state, samples, now, spec)           # one sample per proxy polled this cycle
     decision = decide(state, pods, now, spec, desired)   # what to restart, what is held back and why
-    for restart in decision.restart:                     # graceful deletion of restart.pod, then
+    for restart in decision.restart:                     # eviction of restart.pod, then
         state = record_restart(state, restart.pod, restart.rss_bytes, now, spec)
+        # or, when the PodDisruptionBudget refused it: decision = refused(decision, restart.pod)
 
 Semantics (spec = `fleet.MemorySpec`):
 - Poll only proxies that are Ready and not terminating. A sample is the RSS a proxy reported on
@@ -20,6 +21,9 @@ Semantics (spec = `fleet.MemorySpec`):
 - Restarts never take the fleet past `max_unavailable`: pods that are not Ready or terminating,
   and wanted ordinals that have no pod (a deleted pod between its exit and its replacement),
   count as unavailable already. Over-budget proxies are restarted highest RSS first.
+- A restart is an eviction (the caller's): a PodDisruptionBudget that refuses it (a node drain or
+  a roll took the room between the decision and the eviction) turns it into a hold
+  (DisruptionBudget, `refused`), with no cooldown, tried again next cycle.
 - Backoff: restart n of a proxy within its backoff window is followed by a cooldown of
   min(cooldown_s * 2**(n-1), max_cooldown_s), during which it is not restarted again (it is held
   with reason Cooldown, or Backoff from the second restart on). So a proxy whose live set simply
@@ -56,10 +60,13 @@ REPORTED_POLL_FAILURES = 3
 # 2**64 times any cooldown is beyond every cap; bounding the exponent keeps the numbers small.
 _MAX_BACKOFF_EXPONENT = 64
 
-HoldReason = Literal["Cooldown", "Backoff", "MaxUnavailable", "DryRun"]
+HoldReason = Literal["Cooldown", "Backoff", "MaxUnavailable", "DisruptionBudget", "DryRun"]
 COOLDOWN: HoldReason = "Cooldown"
 BACKOFF: HoldReason = "Backoff"
 MAX_UNAVAILABLE: HoldReason = "MaxUnavailable"
+# Restarted by the decision, but the Eviction API refused (429): the PodDisruptionBudget allows no
+# disruption now (a node drain or a roll took the room first). Tried again next cycle.
+DISRUPTION_BUDGET: HoldReason = "DisruptionBudget"
 DRY_RUN: HoldReason = "DryRun"
 
 
@@ -359,6 +366,18 @@ def decide(
     )
 
 
+def refused(decision: Decision, pod: str) -> Decision:
+    """`decision` after the eviction of `pod` was refused by its PodDisruptionBudget: no longer a
+    restart of this cycle, but held (DisruptionBudget), so it is not recorded and no cooldown starts."""
+    kept = tuple(r for r in decision.restart if r.pod != pod)
+    held = tuple(
+        Hold(r.pod, DISRUPTION_BUDGET, r.rss_bytes, None, r.restart_number - 1)
+        for r in decision.restart
+        if r.pod == pod
+    )
+    return replace(decision, restart=kept, held=decision.held + held)
+
+
 # --- status, conditions, Events ------------------------------------------------------------------
 
 
@@ -399,6 +418,8 @@ def hold_message(hold: Hold, spec: MemorySpec, now: float) -> str:
         )
     if hold.reason == MAX_UNAVAILABLE:
         return f"{over}; not restarted yet: maxUnavailable ({spec.max_unavailable}) proxies are down"
+    if hold.reason == DISRUPTION_BUDGET:
+        return f"{over}; not restarted yet: its PodDisruptionBudget refused the eviction (a drain or a roll)"
     return f"{over}; dry run: would restart it"
 
 
@@ -406,9 +427,10 @@ def memory_condition(decision: Decision, generation: int = 0) -> Condition:
     """The fleet's MemoryPressure condition (lastTransitionTime is left to `set_condition`).
 
     True (Backoff): an over-budget proxy waits out the cooldown of an earlier memory restart; True
-    (OverBudget): proxies are over budget and restarted now, waiting for maxUnavailable, or would be
-    restarted (dry run); Unknown (PollFailures): none is known to be over budget but some could not
-    be polled REPORTED_POLL_FAILURES times in a row; False (WithinBudget); False (Disabled): no budget.
+    (OverBudget): proxies are over budget and restarted now, waiting for maxUnavailable or for their
+    PodDisruptionBudget (eviction refused), or would be restarted (dry run); Unknown (PollFailures):
+    none is known to be over budget but some could not be polled REPORTED_POLL_FAILURES times in a
+    row; False (WithinBudget); False (Disabled): no budget.
     The message lists every fact, whatever the reason, but no RSS values or countdowns: those change
     every cycle and would rewrite the status each time (they go to Events and metrics).
     """
@@ -424,6 +446,9 @@ def memory_condition(decision: Decision, generation: int = 0) -> Condition:
     waiting = [h.pod for h in decision.held if h.reason == MAX_UNAVAILABLE]
     if waiting:
         parts.append(f"over budget, waiting for maxUnavailable: {_listed(waiting)}")
+    refused_now = [h.pod for h in decision.held if h.reason == DISRUPTION_BUDGET]
+    if refused_now:
+        parts.append(f"over budget, eviction refused by the PodDisruptionBudget: {_listed(refused_now)}")
     if decision.would_restart:
         parts.append(f"dry run, would restart: {_listed([h.pod for h in decision.would_restart])}")
     if decision.poll_failures:

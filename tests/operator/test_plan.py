@@ -105,6 +105,8 @@ def test_a_roll_never_takes_two_pods_down():
 def test_proxy_pod_view_reads_a_pod():
     obj = manifests.proxy_pod(GPU, 1)
     obj["metadata"]["deletionTimestamp"] = NOW
+    obj["metadata"]["uid"] = "pod-uid"
+    obj["spec"]["nodeName"] = "rf-cpu-node"
     obj["status"] = {
         "phase": "Running",
         "conditions": [{"type": "Ready", "status": "True"}],
@@ -122,6 +124,9 @@ def test_proxy_pod_view_reads_a_pod():
         template_hash=manifests.template_hash(GPU),
         deleting=True,
         waiting_reason="CrashLoopBackOff",
+        uid="pod-uid",
+        node="rf-cpu-node",
+        deletion_deadline=1_767_225_600.0,  # NOW, 2026-01-01T00:00:00Z
     )
     obj["status"]["conditions"] = [
         {"type": "PodScheduled", "status": "True"},
@@ -130,3 +135,4 @@ def test_proxy_pod_view_reads_a_pod():
     assert proxy_pod_view(obj, 1).ready is False
     bare = proxy_pod_view({"metadata": {"name": "x"}}, 0)
     assert (bare.ready, bare.phase, bare.template_hash, bare.deleting) == (False, "Pending", None, False)
+    assert (bare.node, bare.deletion_deadline) == (None, None)

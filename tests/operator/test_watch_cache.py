@@ -46,3 +46,35 @@ def test_the_fleet_store_keeps_the_latest_body():
     assert store.get("ns", "f")["metadata"]["resourceVersion"] == "2"
     store.forget("ns", "f")
     assert store.get("ns", "f") is None and ("ns", "f") not in store
+
+
+def body(generation: int, resource_version: str, uid: str = "u") -> dict:
+    meta = {"namespace": "ns", "name": "f", "uid": uid, "generation": generation}
+    return {"metadata": {**meta, "resourceVersion": resource_version}}
+
+
+def test_a_pass_acts_on_the_newest_spec_known_once_it_holds_the_lock():
+    store = FleetStore()
+    store.put(body(2, "20"))
+    # Started with an older body (it waited for the lock while generation 2 arrived): the cached one.
+    assert store.to_act_on("ns", "f", body(1, "10"))["metadata"]["generation"] == 2
+    # A body newer than the cache (its event not yet in the store): that one.
+    assert store.to_act_on("ns", "f", body(3, "30"))["metadata"]["generation"] == 3
+    # Same generation: the cache, which also holds the answers to status writes.
+    store.put(body(3, "31"))
+    assert store.to_act_on("ns", "f", body(3, "30"))["metadata"]["resourceVersion"] == "31"
+    assert store.to_act_on("ns", "f")["metadata"]["resourceVersion"] == "31"  # the watchdog's
+
+
+def test_a_spec_older_than_one_acted_on_is_skipped():
+    store = FleetStore()
+    store.put(body(1, "10"))
+    assert store.to_act_on("ns", "f", body(3, "30")) is not None  # acted on generation 3
+    assert store.to_act_on("ns", "f") is None  # the cache still holds generation 1: never acted on
+    store.put(body(3, "31"))
+    assert store.to_act_on("ns", "f") is not None
+    # The fleet deleted and created again: a new uid starts over.
+    store.forget("ns", "f")
+    assert store.to_act_on("ns", "f") is None
+    store.put(body(1, "40", uid="v"))
+    assert store.to_act_on("ns", "f", body(3, "30"))["metadata"]["uid"] == "v"  # the live object

@@ -13,6 +13,7 @@ from rolloutfleet_operator.plan import ProxyPodView
 from rolloutfleet_operator.watchdog import (
     BACKOFF,
     COOLDOWN,
+    DISRUPTION_BUDGET,
     DRY_RUN,
     MAX_UNAVAILABLE,
     MEMORY_PRESSURE,
@@ -34,6 +35,7 @@ from rolloutfleet_operator.watchdog import (
     observe,
     quiet_period_s,
     record_restart,
+    refused,
     restart_message,
     retain,
     seed_from_status,
@@ -445,3 +447,23 @@ def test_seed_never_overwrites_a_known_record():
     state = record_restart(FleetMemoryState(), name(0), OVER, 0.0, SPEC)
     status = {"lastPod": name(0), "lastTime": "2026-01-01T00:59:59Z"}
     assert seed_from_status(state, status, now=10.0, wall_now=WALL, spec=SPEC) == state
+
+
+def test_a_restart_refused_by_the_disruption_budget_becomes_a_hold_without_cooldown():
+    state = FleetMemoryState({})
+    for step in range(3):
+        state = observe(state, {name(0): RssSample(OVER), name(1): RssSample(OVER + GiB)}, step * INTERVAL, SPEC)
+    decision = decide(state, pods(2), 3 * INTERVAL, spec(max_unavailable=2))
+    assert [r.pod for r in decision.restart] == [name(1), name(0)]
+    after = refused(decision, name(1))
+    assert [r.pod for r in after.restart] == [name(0)]
+    assert [(h.pod, h.reason, h.rss_bytes) for h in after.held] == [(name(1), DISRUPTION_BUDGET, OVER + GiB)]
+    assert after.under_pressure and not after.in_backoff
+    condition = memory_condition(after)
+    assert (condition.status, condition.reason) == ("True", "OverBudget")
+    assert f"eviction refused by the PodDisruptionBudget: {name(1)}" in condition.message
+    message = hold_message(after.held[0], SPEC, 0)
+    assert "PodDisruptionBudget refused the eviction" in message
+    # Not recorded: the next cycle decides it again, with no cooldown.
+    again = decide(state, pods(2), 4 * INTERVAL, spec(max_unavailable=2))
+    assert name(1) in [r.pod for r in again.restart]

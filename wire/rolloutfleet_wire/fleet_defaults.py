@@ -17,6 +17,7 @@ PROXY_STALE_SESSION_TIMEOUT_SECONDS: Final = 1800
 PROXY_CLEANUP_INTERVAL_SECONDS: Final = 30
 PROXY_DRAIN_GRACE_SECONDS: Final = 25
 PROXY_TERMINATION_GRACE_PERIOD_SECONDS: Final = 60
+PROXY_LOST_PROXY_TIMEOUT_SECONDS: Final = 300
 PROXY_DUMP_PATH: Final = "/var/lib/rolloutfleet/dumps"
 PROXY_DUMP_DURABILITY: Final = "sync"
 PROXY_MEMORY_RSS_BUDGET_BYTES: Final = 0
@@ -51,6 +52,7 @@ SPEC_DEFAULTS: Final[dict[str, bool | int | float | str]] = {
     "proxy.cleanupIntervalSeconds": PROXY_CLEANUP_INTERVAL_SECONDS,
     "proxy.drainGraceSeconds": PROXY_DRAIN_GRACE_SECONDS,
     "proxy.terminationGracePeriodSeconds": PROXY_TERMINATION_GRACE_PERIOD_SECONDS,
+    "proxy.lostProxyTimeoutSeconds": PROXY_LOST_PROXY_TIMEOUT_SECONDS,
     "proxy.dump.path": PROXY_DUMP_PATH,
     "proxy.dump.durability": PROXY_DUMP_DURABILITY,
     "proxy.memory.rssBudgetBytes": PROXY_MEMORY_RSS_BUDGET_BYTES,
