@@ -35,6 +35,7 @@ class Cluster:
     bin_dir: Path | None  # where kubectl and helm are (local cluster), else from PATH
     host_ip: str  # an address of this machine the cluster's pods can reach (servers for pods bind it)
     audit_log: Path | None = None  # the API server's audit log (the local control plane writes one)
+    node_root: Path | None = None  # the local cluster's state directory (its kubelets can be stopped)
 
     def kubectl_client(self) -> Kubectl:
         binary = str(self.bin_dir / "kubectl") if self.bin_dir else shutil.which("kubectl")
@@ -70,7 +71,12 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
         audit_log = Path(node.kubeconfig).parent / audit.LOG_FILE
         yield Cluster(
-            node.kubeconfig, local=True, bin_dir=node.bin_dir, host_ip=node.bridge_ip, audit_log=audit_log
+            node.kubeconfig,
+            local=True,
+            bin_dir=node.bin_dir,
+            host_ip=node.bridge_ip,
+            audit_log=audit_log,
+            node_root=node.root,
         )
     # Teardown put back every machine-wide setting the nodes changed (an error here fails the run).
     after = host_state()

@@ -53,6 +53,9 @@ def rules(docs: list[dict], kind: str) -> list[dict]:
     return [rule for doc in docs if doc["kind"] == kind for rule in doc.get("rules", [])]
 
 
+NODE_READING = {"apiGroups": [""], "resources": ["nodes"], "verbs": ["get"]}
+
+
 def test_helm_lint(helm):
     result = subprocess.run([helm, "lint", str(CHART)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -78,7 +81,7 @@ def test_cluster_wide_mode(helm):
     docs = render(helm)
     kinds = sorted(doc["kind"] for doc in docs)
     # The only Role: leader election's, on Leases in the release namespace.
-    assert kinds.count("ClusterRole") == 2 and kinds.count("Role") == 1
+    assert kinds.count("ClusterRole") == 3 and kinds.count("Role") == 1
     assert leader_election_role(docs)["rules"] == [
         {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
     ]
@@ -97,7 +100,8 @@ def test_namespaced_mode_grants_nothing_cluster_wide_but_crd_reading(helm):
             "apiGroups": ["apiextensions.k8s.io"],
             "resources": ["customresourcedefinitions"],
             "verbs": ["get", "list", "watch"],
-        }
+        },
+        NODE_READING,
     ]
     deployment = next(doc for doc in docs if doc["kind"] == "Deployment")
     args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
@@ -113,7 +117,10 @@ def test_least_privilege(helm, values):
             assert sorted(rule["verbs"]) == ["create", "get"]  # its own admin-key Secrets, never list/watch
         if "pods" in rule["resources"]:
             assert "deletecollection" not in rule["verbs"]
-    assert not any("nodes" in rule["resources"] for rule in rules(docs, "ClusterRole"))
+    # Nodes: `get` only, to tell whether a proxy stuck terminating is on a lost node.
+    assert [rule for rule in rules(docs, "ClusterRole") if "nodes" in rule["resources"]] == [NODE_READING]
+    bindings = {d["roleRef"]["name"] for d in docs if d["kind"] == "ClusterRoleBinding"}
+    assert any(name.endswith("-node-reader") for name in bindings)
 
 
 def test_values_reach_the_deployment(helm):

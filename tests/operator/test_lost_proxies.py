@@ -17,7 +17,9 @@ from rolloutfleet_operator.plan import ProxyPodView
 
 GRACE_END = 1_767_225_600.0  # 2026-01-01T00:00:00Z
 READY_NODE = {"status": {"conditions": [{"type": "Ready", "status": "True"}]}}
-UNKNOWN_NODE = {"status": {"conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown"}]}}
+UNKNOWN_NODE = {
+    "status": {"conditions": [{"type": "Ready", "status": "Unknown", "reason": "NodeStatusUnknown"}]}
+}
 
 
 def view(ordinal: int, node: str | None = "n1", deadline: float | None = GRACE_END) -> ProxyPodView:

@@ -452,7 +452,9 @@ def test_seed_never_overwrites_a_known_record():
 def test_a_restart_refused_by_the_disruption_budget_becomes_a_hold_without_cooldown():
     state = FleetMemoryState({})
     for step in range(3):
-        state = observe(state, {name(0): RssSample(OVER), name(1): RssSample(OVER + GiB)}, step * INTERVAL, SPEC)
+        state = observe(
+            state, {name(0): RssSample(OVER), name(1): RssSample(OVER + GiB)}, step * INTERVAL, SPEC
+        )
     decision = decide(state, pods(2), 3 * INTERVAL, spec(max_unavailable=2))
     assert [r.pod for r in decision.restart] == [name(1), name(0)]
     after = refused(decision, name(1))

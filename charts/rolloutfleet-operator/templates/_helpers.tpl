@@ -32,7 +32,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: [pods]
   verbs: [get, list, watch, create, delete, patch]
-# Rolling updates evict Ready proxies, so their PodDisruptionBudget is honoured.
+# Rolling updates and memory restarts evict Ready proxies, so their PodDisruptionBudget is honoured.
 - apiGroups: [""]
   resources: [pods/eviction]
   verbs: [create]

@@ -415,6 +415,53 @@ def _bring_up(cluster: RealCluster, archives: list[Path], timeout_s: float, prog
     progress("CoreDNS ready")
 
 
+def _node(name: str) -> NodeSpec:
+    return next(node for node in NODES if node.name == name)
+
+
+def stop_kubelet(root: Path, node_name: str) -> None:
+    """Kill a node's kubelet outright (SIGKILL), as a machine that died takes its kubelet with it:
+    its containers go on under containerd, nothing reports them; the node lifecycle controller
+    marks the node NotReady once its heartbeats stop. `start_kubelet` brings it back."""
+    cluster = RealCluster.load(root)
+    if cluster is None:
+        raise RuntimeError(f"no cluster recorded in {root}")
+    pid = cluster.pids.get(f"kubelet:{node_name}", 0)
+    if _still_runs(f"kubelet:{node_name}", pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        _wait(f"the kubelet of {node_name} to exit", lambda: not _alive(pid), 10)
+
+
+def start_kubelet(root: Path, node_name: str, timeout_s: float = 120) -> None:
+    """Start a node's kubelet again with its configuration, recorded so `down` stops it, and wait
+    until the node is Ready (with its GPU capacity again, which a restarted kubelet may drop)."""
+    cluster = RealCluster.load(root)
+    if cluster is None:
+        raise RuntimeError(f"no cluster recorded in {root}")
+    node = _node(node_name)
+    dirs = NodeDirs(root / node.name, image_store(node))
+    logs = root / "logs"
+    args = kubelet_args(node, dirs, cluster.bin_dir / "kubelet", dirs.root / "kubelet.kubeconfig")
+    cluster.pids[f"kubelet:{node.name}"] = _start(f"kubelet-{node.name}", args, logs)
+    cluster.save()
+    kubectl = cluster.kubectl()
+    _wait(
+        f"{node.name} Ready again",
+        lambda: node.name in _ready_nodes(kubectl),
+        timeout_s,
+        logs / f"kubelet-{node.name}.log",
+        interval_s=0.5,
+    )
+    if node.gpu:
+        _wait(
+            f"{GPU_RESOURCE} on {node.name}",
+            lambda: _advertise_gpus(kubectl, node) or _gpus(kubectl, node) == str(GPU_COUNT),
+            30,
+            interval_s=1,
+        )
+
+
 def down(root: Path | None = None) -> None:
     """Stop the cluster recorded in `root` and put the machine back as `up` found it."""
     root = (root or default_dir()).resolve()
