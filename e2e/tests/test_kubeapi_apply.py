@@ -29,8 +29,9 @@ def test_apply_is_idempotent(cluster, namespace):
 
 
 def test_evict_honours_the_pod_disruption_budget(cluster, namespace):
-    """The operator's rolls evict: refused (429) while the budget allows no disruption, done once it
-    does; a pod that is gone is reported as such."""
+    """The operator's rolls and memory restarts evict: refused (429) while the budget allows no
+    disruption, done once it does, never to a pod of another uid; a pod that is gone is reported as
+    such."""
     from rolloutfleet_testkit.waiting import wait_for
 
     api = KubeApi(load_configuration(cluster.kubeconfig))
@@ -64,6 +65,9 @@ def test_evict_honours_the_pod_disruption_budget(cluster, namespace):
     assert api.evict(namespace, "evictee") == "refused"
     api.apply({**budget, "spec": {**budget["spec"], "minAvailable": 0}})
     wait_for(lambda: budget_status(1), what="the budget's status (one disruption allowed)")
-    assert api.evict(namespace, "evictee") == "evicted"
+    # With a uid that is not the pod's (its name taken by a replacement meanwhile): not evicted.
+    assert api.evict(namespace, "evictee", "not-its-uid") == "gone"
+    uid = api.get(f"/api/v1/namespaces/{namespace}/pods/evictee")["metadata"]["uid"]
+    assert api.evict(namespace, "evictee", uid) == "evicted"
     assert api.evict(namespace, "no-such-pod") == "gone"
     api.close()
