@@ -163,7 +163,10 @@ class KubeApi:
         """Evict a pod through the Eviction API, which honours its PodDisruptionBudgets (and then
         deletes it gracefully): "evicted", "gone" (404; or 409 with `uid`: the name now holds
         another pod, which is never the one evicted), or "refused" (429: a budget allows no
-        disruption now; try again later)."""
+        disruption now; try again later). The API server checks the budget before the uid: a pod
+        under a budget evicted with a stale uid spends the budget's disruption without deleting
+        anything, until the disruption controller gives it back (2 minutes), so callers pass the
+        uid of a pod they just read."""
         path = resource_path("v1", "Pod", namespace, name) + "/eviction"
         body: dict[str, Any] = {
             "apiVersion": "policy/v1",
