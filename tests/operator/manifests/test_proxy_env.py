@@ -4,6 +4,7 @@ the contract's name, loads in the proxy as it means, and extra env overrides it.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,6 +13,63 @@ from rolloutfleet_operator.fleet import parse_fleet
 from rolloutfleet_operator.manifests.proxy_env import HASH_EXEMPT_ENV
 from rolloutfleet_operator.manifests.proxy_pod import proxy_pod, template_hash
 from rolloutfleet_proxy.settings import ENV, ProxySettings, effective_settings
+
+# The env (ordinal 1) and template hash of proxy pods for fleets that together set every injected
+# setting, as the operator built them when this file was written. A change here changes what
+# running proxies get and, with the hash, rolls every proxy of every fleet on the operator's
+# upgrade: make it on purpose, then rewrite the file with
+#   ./dev shell -c "PYTHONPATH=tests python tests/operator/manifests/test_proxy_env.py"
+GOLDEN = Path(__file__).with_name("proxy_env_golden.json")
+KWARGS_GOLDEN = {"enable_thinking": False, "tools": {"strict": True, "order": [2, 1]}}
+
+
+def golden_fleets() -> dict[str, dict[str, Any]]:
+    every = sample("gpu")
+    every["spec"]["proxy"].update(
+        port=8001,
+        replicas=3,
+        staleSessionTimeoutSeconds=600.5,
+        cleanupIntervalSeconds=10,
+        drainGraceSeconds=40,
+        exportTtlSeconds=90.0,
+        engineLogprobs="original",
+        toolCallParser="llama3",
+        reasoningParser="deepseek-r1",
+        chatTemplateKwargs=KWARGS_GOLDEN,
+        adminKeySecret={"name": "mine", "key": "token"},
+        admission={"maxStaleness": 3, "consumerBatchSize": 10, "maxConcurrentSessions": 64},
+        memory={"rssBudgetBytes": 4 * 2**30, "refuseNewSessionsPercent": 80},
+        env=[{"name": ENV["cleanup_interval_s"], "value": "7"}, {"name": "EXTRA", "value": "x"}],
+    )
+    every["spec"]["proxy"]["dump"] = {
+        "path": "/srv/dumps/",
+        "durability": "async",
+        "hostPath": {"path": "/d"},
+    }
+    every["spec"]["gateway"] = {"port": 31000}
+    bounded = sample("minimal", namespace="other")
+    bounded["spec"]["proxy"].update(
+        staleSessionTimeoutSeconds=1800.0,
+        admission={"maxConcurrentSessions": 8},
+        memory={"rssBudgetBytes": 10**9, "refuseNewSessionsPercent": 0},
+        chatTemplateKwargs={"enable_thinking": True},
+    )
+    return {"gpu": sample("gpu"), "minimal": sample("minimal"), "every-setting": every, "bounded": bounded}
+
+
+def golden_pods() -> dict[str, Any]:
+    pods = {}
+    for name, obj in golden_fleets().items():
+        fleet = parse_fleet(obj)
+        pods[name] = {"env": container(proxy_pod(fleet, 1))["env"], "template_hash": template_hash(fleet)}
+    return pods
+
+
+@pytest.mark.parametrize("name", list(golden_fleets()))
+def test_proxy_env_and_template_hash_are_as_recorded(name):
+    """Every variable's name, value and place, and the template hash, as recorded (no roll on upgrade)."""
+    assert golden_pods()[name] == json.loads(GOLDEN.read_text())[name]
+
 
 GPU_ROWS = [
     ("env: upstream", env_map(POD)[ENV["upstream_url"]], "http://gpu-fleet-gateway.rl.svc:30080"),
@@ -188,3 +246,7 @@ def test_chat_template_kwargs_json_is_stable():
 
 def test_chat_formats_are_template_settings():
     assert not CHAT_FORMAT_ENV & HASH_EXEMPT_ENV
+
+
+if __name__ == "__main__":  # rewrite the recorded env (see GOLDEN)
+    GOLDEN.write_text(json.dumps(golden_pods(), indent=1, sort_keys=True) + "\n")
