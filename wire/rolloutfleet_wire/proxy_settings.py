@@ -102,6 +102,3 @@ INJECTED_SETTINGS: tuple[InjectedSetting, ...] = (
     # The spec's Secret, or the one the operator generates.
     InjectedSetting("admin_key", derived_from=("proxy.adminKeySecret",), secret=True),
 )
-
-# Setting name -> variable.
-INJECTED_ENV: dict[str, str] = {setting.name: setting.env_name for setting in INJECTED_SETTINGS}
