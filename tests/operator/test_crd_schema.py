@@ -14,7 +14,10 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from fleet_samples import SCHEMA
 from rolloutfleet_operator.fleet import MAX_FLEET_NAME_LENGTH
+from rolloutfleet_proxy.reasoning_parsers import REASONING_PARSER_NAMES
+from rolloutfleet_proxy.tool_parsers import TOOL_CALL_PARSER_NAMES
 from rolloutfleet_testkit import crdgen
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -289,3 +292,21 @@ REJECTED = {
 def test_the_schema_rejects(proxy, where):
     found = errors(fleet(**proxy))
     assert found and all(error.startswith(f"{where}: ") for error in found), found
+
+
+def proxy_schema(field: str) -> dict[str, Any]:
+    return SCHEMA["properties"]["spec"]["properties"]["proxy"]["properties"][field]
+
+
+def test_crd_parser_names_are_the_proxys_registries():
+    """One source of truth: the CRD offers exactly the parsers the proxy has (SGLang's names)."""
+    for field, registry in (
+        ("toolCallParser", TOOL_CALL_PARSER_NAMES),
+        ("reasoningParser", REASONING_PARSER_NAMES),
+    ):
+        enum = proxy_schema(field)["enum"]
+        assert len(enum) == len(set(enum)) and set(enum) == set(registry), field
+        assert proxy_schema(field)["type"] == "string" and "SGLang" in proxy_schema(field)["description"]
+    kwargs = proxy_schema("chatTemplateKwargs")
+    # Without it the API server would prune every key of the object (it declares no properties).
+    assert kwargs["type"] == "object" and kwargs["x-kubernetes-preserve-unknown-fields"] is True

@@ -13,7 +13,9 @@ from fleet_samples import sample
 from kubernetes.client.exceptions import ApiException
 from rolloutfleet_operator.desired_state import with_desired_hash
 from rolloutfleet_operator.fleet import parse_fleet
-from rolloutfleet_operator.manifests import desired_children, engine_deployment, proxy_pod
+from rolloutfleet_operator.manifests.children import desired_children
+from rolloutfleet_operator.manifests.engines import engine_deployment
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
 from rolloutfleet_operator.reconcile import Reconciler
 from rolloutfleet_operator.watch_cache import CACHED_KINDS, FleetStore, OwnedObjects, by_fleet
 
