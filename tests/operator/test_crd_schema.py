@@ -310,3 +310,50 @@ def test_crd_parser_names_are_the_proxys_registries():
     kwargs = proxy_schema("chatTemplateKwargs")
     # Without it the API server would prune every key of the object (it declares no properties).
     assert kwargs["type"] == "object" and kwargs["x-kubernetes-preserve-unknown-fields"] is True
+
+
+GATEWAY_ACCEPTED = {
+    "assignment mode": {"assignmentMode": "min_group"},
+    "retries": {
+        "retries": {"maxRetries": 1, "initialBackoffMillis": 0, "backoffMultiplier": 2, "jitterFactor": 1}
+    },
+    "circuit breaker off": {"circuitBreaker": {"enabled": False}},
+    "tracing by name": {"tracing": {"otlpEndpoint": "otel-collector.monitoring:4317"}},
+    "tracing by address": {"tracing": {"otlpEndpoint": "10.0.0.7:4317"}},
+    "no disruption": {"maxUnavailable": 0},
+}
+
+
+@pytest.mark.parametrize("gateway", GATEWAY_ACCEPTED.values(), ids=GATEWAY_ACCEPTED.keys())
+def test_the_schema_accepts_gateway_settings(gateway):
+    obj = fleet()
+    obj["spec"]["gateway"] = gateway
+    assert not errors(obj)
+
+
+ENDPOINT = "spec.gateway.tracing.otlpEndpoint"
+BREAKER = "spec.gateway.circuitBreaker"
+GATEWAY_REJECTED = {
+    "the router's default name": ({"assignmentMode": "minload"}, "spec.gateway.assignmentMode"),
+    "no attempt": ({"retries": {"maxRetries": 0}}, "spec.gateway.retries.maxRetries"),
+    "jitter over 1": ({"retries": {"jitterFactor": 1.5}}, "spec.gateway.retries.jitterFactor"),
+    "shrinking backoff": ({"retries": {"backoffMultiplier": 0.5}}, "spec.gateway.retries.backoffMultiplier"),
+    "zero threshold": (
+        {"circuitBreaker": {"failureThreshold": 0}},
+        "spec.gateway.circuitBreaker.failureThreshold",
+    ),
+    "endpoint as a URL": (
+        {"tracing": {"otlpEndpoint": "http://otel:4317"}},
+        "spec.gateway.tracing.otlpEndpoint",
+    ),
+    "endpoint without port": ({"tracing": {"otlpEndpoint": "otel"}}, "spec.gateway.tracing.otlpEndpoint"),
+    "tracing without endpoint": ({"tracing": {}}, "spec.gateway.tracing"),
+}
+
+
+@pytest.mark.parametrize(("gateway", "where"), GATEWAY_REJECTED.values(), ids=GATEWAY_REJECTED.keys())
+def test_the_schema_rejects_gateway_settings(gateway, where):
+    obj = fleet()
+    obj["spec"]["gateway"] = gateway
+    found = errors(obj)
+    assert found and all(error.startswith(f"{where}: ") for error in found), found

@@ -57,6 +57,9 @@ def test_a_sparse_object_parses_with_the_crd_defaults():
     assert fleet.proxy.dump.path == "/var/lib/rolloutfleet/dumps" and fleet.proxy.dump.empty_dir == {}
     assert fleet.proxy.memory.consecutive_samples == 3 and not fleet.proxy.memory.enabled
     assert fleet.gateway.port == 30080 and fleet.gateway.policy == "manual"  # routes by session
+    assert fleet.gateway.assignment_mode == "min_load" and fleet.gateway.replicas == 1
+    assert fleet.gateway.retries.max_retries == 5 and fleet.gateway.circuit_breaker.enabled
+    assert fleet.gateway.otlp_traces_endpoint is None and fleet.gateway.max_unavailable == 1
     assert fleet.engines is not None and fleet.engines.gpus_per_engine == 1
     assert fleet.engines.tensor_parallel_size == 1 and fleet.engines.port == 30000
 
@@ -84,6 +87,11 @@ def test_parse_reads_metadata_and_the_gpu_sample():
         {"externalEngineUrls": ["http://e:1"]},
         {
             "proxy": {"tokenizer": {"path": "/t"}, "admission": {"consumerBatchSize": 8}},
+            "externalEngineUrls": ["http://e:1"],
+        },
+        {
+            "proxy": {"tokenizer": {"path": "/t"}},
+            "gateway": {"replicas": 2},
             "externalEngineUrls": ["http://e:1"],
         },
     ],

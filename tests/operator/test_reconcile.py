@@ -108,7 +108,7 @@ async def test_a_spec_change_applies_what_it_changed_only():
     await reconciler.reconcile(body)
     api.calls.clear()
     changed = copy.deepcopy(body)
-    changed["spec"]["gateway"]["replicas"] = 2
+    changed["spec"]["gateway"]["assignmentMode"] = "min_group"
     changed["metadata"]["generation"] += 1
     await reconciler.reconcile(changed)
     applies = [c[1] for c in api.calls if c[0] == "apply"]

@@ -3,7 +3,7 @@ builds one at a time), and the children it may have created earlier but no longe
 
 from __future__ import annotations
 
-from ..fleet import Fleet, client_service_name, engine_name, engine_service_name
+from ..fleet import Fleet, client_service_name, engine_name, engine_service_name, gateway_name
 from .engines import engine_deployment, engine_service
 from .gateway import (
     gateway_deployment,
@@ -52,6 +52,7 @@ def desired_children(fleet: Fleet) -> list[Manifest]:
         gateway_role(fleet),
         gateway_role_binding(fleet),
         gateway_service(fleet),
+        pod_disruption_budget(fleet, "gateway", gateway_name(fleet), fleet.gateway.max_unavailable),
         gateway_deployment(fleet),
     ]
     if fleet.engines is not None:

@@ -43,8 +43,31 @@ def gateway_role_binding(fleet: Fleet) -> Manifest:
 
 
 def gateway_args(fleet: Fleet) -> list[str]:
+    """sglang-router 0.3.2's command line (`python -m sglang_router.launch_router --help`; a test
+    parses it with the router's own parser). Every setting is given, so what runs is what the spec
+    says whatever the image's defaults."""
     gateway = fleet.gateway
     args = ["--host", BIND_ALL, "--port", str(gateway.port), "--policy", gateway.policy]
+    args += ["--assignment-mode", gateway.assignment_mode]
+    retries = gateway.retries
+    args += [
+        *("--retry-max-retries", str(retries.max_retries)),
+        *("--retry-initial-backoff-ms", str(retries.initial_backoff_ms)),
+        *("--retry-max-backoff-ms", str(retries.max_backoff_ms)),
+        *("--retry-backoff-multiplier", str(retries.backoff_multiplier)),
+        *("--retry-jitter-factor", str(retries.jitter_factor)),
+    ]
+    breaker = gateway.circuit_breaker
+    args += [
+        *("--cb-failure-threshold", str(breaker.failure_threshold)),
+        *("--cb-success-threshold", str(breaker.success_threshold)),
+        *("--cb-timeout-duration-secs", str(breaker.timeout_s)),
+        *("--cb-window-duration-secs", str(breaker.window_s)),
+    ]
+    if not breaker.enabled:
+        args.append("--disable-circuit-breaker")
+    if gateway.otlp_traces_endpoint is not None:
+        args += ["--enable-trace", "--otlp-traces-endpoint", gateway.otlp_traces_endpoint]
     if fleet.engines is not None:
         selector = [f"{k}={v}" for k, v in sorted(labels(fleet, "engine").items())]
         args += [

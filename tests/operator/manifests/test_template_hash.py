@@ -49,7 +49,7 @@ def test_template_hash_changes_with_the_pod_template(path, value):
         ("proxy.memory", {"rssBudgetBytes": 1}),
         ("proxy.memory.rssBudgetBytes", 2 * 2**30),
         ("proxy.memory.refuseNewSessionsPercent", 50),
-        ("gateway.replicas", 2),
+        ("gateway.assignmentMode", "random"),
         ("gateway.image", "router:2"),
         ("gateway.policy", "random"),
         ("engines.replicas", 5),
