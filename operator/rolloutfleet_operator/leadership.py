@@ -149,6 +149,14 @@ class LeaseClient:
         """One attempt: True when this replica holds the Lease afterwards. Writes carry the read
         resourceVersion, so of two replicas taking an expired Lease at once only one succeeds."""
         election = self.election
+        deadline = time.monotonic() + timeout_s  # for the read and the write together
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no time left to write the Lease {election.name}")
+            return remaining
+
         lease = self.read(timeout_s)
         self.observed = observe(lease, self.observed, time.monotonic())
         action = lease_action(lease, election.identity, self.observed, time.monotonic())
@@ -164,7 +172,7 @@ class LeaseClient:
                     "spec": spec,
                 }
                 try:
-                    self.api.request("POST", election.collection, body=body, timeout=timeout_s)
+                    self.api.request("POST", election.collection, body=body, timeout=left())
                     return True
                 except ApiException as exc:
                     if exc.status == 409:  # created by another replica first
@@ -172,7 +180,7 @@ class LeaseClient:
                     raise
             assert lease is not None
             body = {**lease, "spec": spec}  # metadata.resourceVersion makes the update conditional
-            self.api.request("PUT", election.path, body=body, timeout=timeout_s)
+            self.api.request("PUT", election.path, body=body, timeout=left())
             return True
         except ApiException as exc:
             if exc.status == 409:  # another replica wrote first

@@ -99,6 +99,33 @@ def test_a_stalled_renewal_gives_the_lease_up_before_a_standby_could_take_it():
     assert api.timeouts and max(api.timeouts) <= 2.0
 
 
+class SlowReadApi:
+    """Reads answer our own Lease after `read_s`; writes hang as long as their timeout allows."""
+
+    def __init__(self, read_s: float):
+        self.read_s = read_s
+        self.write_timeouts: list[float] = []
+
+    def request(self, method, path, body=None, query=None, content_type=None, timeout=30):
+        if method == "GET":
+            time.sleep(self.read_s)
+            return lease("op-a")
+        self.write_timeouts.append(timeout)
+        time.sleep(timeout)
+        raise TimeoutError("stalled")
+
+
+def test_one_renewal_attempt_reads_and_writes_within_the_time_it_is_given():
+    api = SlowReadApi(read_s=0.6)
+    client = LeaseClient(api, Election("ops", "lease", "op-a"))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        client.try_to_lead(timeout_s=1.0)
+    # The write had what the slow read left of the second, not a second of its own.
+    assert api.write_timeouts and max(api.write_timeouts) <= 0.41
+    assert time.monotonic() - started < 1.2
+
+
 def test_lease_spec_records_the_holder_and_counts_transitions():
     created = lease_spec(ELECTION, NOW, None, "create")
     assert created == {
