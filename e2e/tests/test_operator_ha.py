@@ -244,7 +244,10 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
     first_new = min(r.received for r in new_writes)
     assert first_new > stalled_at
     late = [r for r in old_writes if r.received >= first_new]
-    assert not late, late
+    assert not late, (
+        f"stalled at {stalled_at:%H:%M:%S.%f}, the new leader's first write at {first_new:%H:%M:%S.%f}",
+        late,
+    )
     old_after_stall = [
         r for r in requests if r.source_ip == leader_ip and r.received > stalled_at and r.write
     ]

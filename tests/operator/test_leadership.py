@@ -4,6 +4,8 @@ endpoint; the Lease against a real API server and a killed leader are in e2e/tes
 from __future__ import annotations
 
 import datetime
+import socket
+import struct
 import threading
 import time
 
@@ -18,6 +20,7 @@ from rolloutfleet_operator.leadership import (
     lease_spec,
     observe,
     released_spec,
+    reset_connections_on_close,
 )
 from rolloutfleet_testkit.processes import free_port
 
@@ -156,3 +159,25 @@ def test_a_standby_answers_its_probes_and_frees_the_port_for_kopf():
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
     StandbyHealth("127.0.0.1", port).close()  # the port can be bound again at once
+
+
+def test_a_leaving_leader_resets_its_connections_so_nothing_queued_arrives_later():
+    """A request still in a socket when the leader exits must not reach the API server after a standby
+    took over: every TCP connection of the process is set to reset on close (SO_LINGER 0)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    unix_a, unix_b = socket.socketpair()  # not TCP: left alone
+    try:
+        assert reset_connections_on_close() >= 2  # the client's end and the accepted one, at least
+        for sock in (client, accepted):
+            assert struct.unpack("ii", sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)) == (1, 0)
+        assert struct.unpack("ii", unix_a.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8))[0] == 0
+        client.sendall(b"a request queued")
+        client.close()  # reset: the peer sees the connection reset instead of an orderly end
+        with pytest.raises(ConnectionResetError):
+            while accepted.recv(1024):
+                pass
+    finally:
+        for sock in (server, accepted, unix_a, unix_b):
+            sock.close()
