@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .fleet import Fleet, proxy_ordinal
-from .manifests import owner_reference
+from .manifests.metadata import owner_reference
 from .plan import ProxyPodView, proxy_pod_view
 
 Pod = Mapping[str, Any]

@@ -28,7 +28,9 @@ from .desired_state import apply_reason, with_desired_hash
 from .fleet import Fleet, engine_name, gateway_name, parse_fleet, selector_string
 from .kubeapi import STRATEGIC, KubeApi, fleet_path, resource_path
 from .lost_proxies import LostProxy, lost_condition, lost_proxies, nodes_to_check
-from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash, unwanted_children
+from .manifests.admin_key import admin_key_secret
+from .manifests.children import desired_children, unwanted_children
+from .manifests.proxy_pod import proxy_pod, template_hash
 from .ownership import ProxyClaim, adoption_patch, claim_proxy_pods, proxy_views
 from .plan import VOLUNTARY_DISRUPTIONS, Plan, ProxyPodView, plan_proxies, ready_pod_urls
 from .watch_cache import FleetStore, OwnedObjects

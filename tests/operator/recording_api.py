@@ -9,7 +9,8 @@ import copy
 from kubernetes.client.exceptions import ApiException
 from rolloutfleet_operator.desired_state import with_desired_hash
 from rolloutfleet_operator.fleet import parse_fleet
-from rolloutfleet_operator.manifests import desired_children, proxy_pod
+from rolloutfleet_operator.manifests.children import desired_children
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
 from rolloutfleet_operator.watch_cache import CACHED_KINDS, by_fleet
 
 READY = {"phase": "Running", "conditions": [{"type": "Ready", "status": "True"}], "podIP": "10.0.0.9"}

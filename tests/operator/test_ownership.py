@@ -7,7 +7,7 @@ import copy
 
 from fleet_samples import sample
 from rolloutfleet_operator.fleet import parse_fleet
-from rolloutfleet_operator.manifests import proxy_pod
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
 from rolloutfleet_operator.ownership import adoption_patch, claim_proxy_pods, controller_uid, proxy_views
 
 

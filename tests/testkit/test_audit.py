@@ -11,8 +11,17 @@ from rolloutfleet_testkit.controlplane.cluster import component_args
 from rolloutfleet_testkit.controlplane.pki import Pki
 
 
-def entry(audit_id: str, verb: str, stage: str, at: str, code: int | None = 200, user: str = "op") -> str:
+def entry(
+    audit_id: str,
+    verb: str,
+    stage: str,
+    at: str,
+    code: int | None = 200,
+    user: str = "op",
+    ip: str = "10.0.0.1",
+) -> str:
     line = {
+        "sourceIPs": [ip],
         "auditID": audit_id,
         "stage": stage,
         "verb": verb,
@@ -36,6 +45,16 @@ def test_requests_are_counted_once_by_audit_id():
     requests = audit.parse_requests(lines)
     assert [(r.verb, r.code) for r in requests] == [("get", 200), ("watch", 200), ("patch", 200)]
     assert [r.write for r in requests] == [False, False, True]
+
+
+def test_requests_carry_the_client_address():
+    lines = [
+        entry("a", "get", "ResponseComplete", "2026-01-01T00:00:00Z", ip="10.0.0.7"),
+        json.dumps(
+            {**json.loads(entry("b", "get", "ResponseComplete", "2026-01-01T00:00:01Z")), "sourceIPs": []}
+        ),
+    ]
+    assert [r.source_ip for r in audit.parse_requests(lines)] == ["10.0.0.7", None]
 
 
 def test_requests_of_one_user_in_a_window(tmp_path: Path):

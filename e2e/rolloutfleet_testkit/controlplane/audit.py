@@ -49,6 +49,7 @@ class AuditedRequest:
     verb: str  # get, list, watch, create, update, patch, delete, ...
     uri: str
     code: int | None  # None while a watch still runs
+    source_ip: str | None = None  # the client's address (tells two replicas of one ServiceAccount apart)
 
     @property
     def write(self) -> bool:
@@ -65,7 +66,12 @@ def parse_requests(lines: Iterable[str]) -> list[AuditedRequest]:
         received = datetime.datetime.fromisoformat(entry["requestReceivedTimestamp"].replace("Z", "+00:00"))
         code = (entry.get("responseStatus") or {}).get("code")
         request = AuditedRequest(
-            received, entry["user"]["username"], entry["verb"], entry["requestURI"], code
+            received,
+            entry["user"]["username"],
+            entry["verb"],
+            entry["requestURI"],
+            code,
+            (entry.get("sourceIPs") or [None])[0],
         )
         if entry["auditID"] not in found or code is not None:
             found[entry["auditID"]] = request
