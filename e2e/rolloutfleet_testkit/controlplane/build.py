@@ -234,7 +234,12 @@ def ensure_go_tool(name: str, package: str, version: str, tags: str = "") -> Pat
     work = path.parent.parent / "src"
     work.mkdir(parents=True, exist_ok=True)
     say(f"building {name} {version} into {path.parent} (first run only; a few minutes on 2 cores)")
-    go(go_install_args(package, version, tags), cwd=work, progress_label=name, env={"GOBIN": str(path.parent)})
+    go(
+        go_install_args(package, version, tags),
+        cwd=work,
+        progress_label=name,
+        env={"GOBIN": str(path.parent)},
+    )
     return path
 
 

@@ -124,7 +124,8 @@ hostIPs:
 - ip: {{ . | Quote }}
 {{ end }}
 {{ end }}
-{{ with PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) .metadata.uid .metadata.name .metadata.namespace }}
+{{ $meta := .metadata }}
+{{ with PodIPsWith .spec.nodeName ( or .spec.hostNetwork false ) $meta.uid $meta.name $meta.namespace }}
 podIP: {{ index . 0 | Quote }}
 podIPs:
 {{ range . }}
@@ -272,8 +273,6 @@ def simulated_cluster(work: Path, nodes: int = 20, gpu_nodes: int = 0) -> Iterat
 
             wait_for(all_ready, 120, f"{len(names)} simulated nodes to be Ready", 0.5)
             cluster.say(f"{len(names)} simulated nodes Ready in {time.monotonic() - started:.1f}s (KWOK)")
-            yield SimulatedCluster(
-                state.kubeconfig, bin_dir, root / audit.LOG_FILE, kwok, names
-            )
+            yield SimulatedCluster(state.kubeconfig, bin_dir, root / audit.LOG_FILE, kwok, names)
     finally:
         cluster.down(root)
