@@ -26,7 +26,9 @@ from .conditions import ObservedState, fleet_status
 from .desired_state import apply_reason, with_desired_hash
 from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal
 from .kubeapi import KubeApi, fleet_path, resource_path
-from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash, unwanted_children
+from .manifests.admin_key import admin_key_secret
+from .manifests.children import desired_children, unwanted_children
+from .manifests.proxy_pod import proxy_pod, template_hash
 from .plan import VOLUNTARY_DISRUPTIONS, ProxyPodView, plan_proxies, proxy_pod_view, ready_pod_urls
 from .watch_cache import FleetStore, OwnedObjects
 
