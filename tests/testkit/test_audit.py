@@ -3,6 +3,7 @@ auditID, a watch counted once although it is logged when it starts and when it e
 
 from __future__ import annotations
 
+import datetime
 import json
 from pathlib import Path
 
@@ -84,3 +85,27 @@ def test_the_api_server_writes_the_audit_log_beside_its_state(tmp_path: Path):
     assert f"--audit-policy-file={tmp_path / audit.POLICY_FILE}" in args
     audit.write_policy(tmp_path)
     assert "system:serviceaccounts" in (tmp_path / audit.POLICY_FILE).read_text()
+
+
+def test_tally_counts_writes_and_resources_and_keeps_lease_requests_apart():
+    def request(verb: str, uri: str) -> audit.AuditedRequest:
+        return audit.AuditedRequest(datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC), "op", verb, uri, 200)
+
+    counted = audit.tally(
+        [
+            request("get", "/api/v1/namespaces/ns/pods/f-proxy-0"),
+            request("patch", "/api/v1/namespaces/ns/pods/f-proxy-0/status?fieldManager=x"),
+            request("create", "/api/v1/namespaces/ns/pods"),
+            request("watch", "/apis/rolloutfleet.dev/v1alpha1/namespaces/ns/rolloutfleets?watch=true"),
+            request("update", "/apis/coordination.k8s.io/v1/namespaces/ns/leases/op"),
+            request("get", "/apis/coordination.k8s.io/v1/namespaces/ns/leases/op"),
+        ]
+    )
+    assert counted["requests"] == 4 and counted["writes"] == 2 and counted["lease_requests"] == 2
+    assert counted["by_verb_and_resource"] == {
+        "create pods": 1,
+        "get pods": 1,
+        "patch pods/status": 1,
+        "watch rolloutfleets": 1,
+    }
+    assert audit.tally([]) == {"requests": 0, "writes": 0, "lease_requests": 0, "by_verb_and_resource": {}}
