@@ -34,7 +34,13 @@ def installed_operator(
         text=True,
         timeout=fleet_setup.HELM_WAIT_S + 60,
     )
-    assert install.returncode == 0, install.stderr
+    if install.returncode != 0:  # say why: the operator's pods and their last words
+        pods = cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout
+        logs = cluster.kubectl(
+            "logs", f"deploy/{release}-rolloutfleet-operator", "-n", namespace, "--tail=40", check=False
+        )
+        events = cluster.kubectl("get", "events", "-n", namespace, check=False).stdout
+        raise AssertionError(f"{install.stderr}\n{pods}\n{logs.stdout}{logs.stderr}\n{events[-3000:]}")
     try:
         yield f"{release}-rolloutfleet-operator"
     finally:
