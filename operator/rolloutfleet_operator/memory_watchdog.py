@@ -39,7 +39,9 @@ MAX_POLL_TIMEOUT_S = 5.0
 
 
 class EventSink(Protocol):
-    def __call__(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
+    """events.EventRecorder.post_event: one Event per cause, counted."""
+
+    async def __call__(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
 
 
 def poll_timeout(check_interval_s: float) -> float:
@@ -157,7 +159,7 @@ class FleetWatchdog:
             if await self._restart(fleet, by_name[restart.pod], restart):
                 self.state = watchdog.record_restart(self.state, restart.pod, restart.rss_bytes, now, spec)
                 restarts.append((restart, self._now_rfc3339()))
-        self._report_holds(fleet, by_name, decision, now)
+        await self._report_holds(fleet, by_name, decision, now)
         await self._write_status(fleet, decision, restarts)
 
     def _record_samples(self, fleet: Fleet, samples: Mapping[str, watchdog.Sample]) -> None:
@@ -185,13 +187,13 @@ class FleetWatchdog:
             return False
         message = watchdog.restart_message(restart, fleet.proxy.memory)
         log.info("fleet %s/%s: %s", fleet.namespace, fleet.name, message)
-        self.post_event(_fleet_ref(fleet), "Warning", "MemoryRestart", message)
-        self.post_event(_as_pod(pod), "Warning", "MemoryRestart", message)
+        await self.post_event(_fleet_ref(fleet), "Warning", "MemoryRestart", message)
+        await self.post_event(_as_pod(pod), "Warning", "MemoryRestart", message)
         metrics.MEMORY_RESTARTS.labels(fleet.namespace, fleet.name, "OverBudget").inc()
         metrics.PROXIES_DELETED.labels(fleet.namespace, fleet.name, "MemoryBudget").inc()
         return True
 
-    def _report_holds(
+    async def _report_holds(
         self, fleet: Fleet, pods: Mapping[str, dict[str, Any]], decision: watchdog.Decision, now: float
     ) -> None:
         """An Event when a proxy's hold reason changes (not every cycle of a long backoff)."""
@@ -205,9 +207,9 @@ class FleetWatchdog:
                     else f"MemoryRestart{hold.reason}"
                 )
                 kind = "Normal" if hold.reason == watchdog.DRY_RUN else "Warning"
-                self.post_event(_fleet_ref(fleet), kind, reason, message)
+                await self.post_event(_fleet_ref(fleet), kind, reason, message)
                 if pod in pods:
-                    self.post_event(_as_pod(pods[pod]), kind, reason, message)
+                    await self.post_event(_as_pod(pods[pod]), kind, reason, message)
                 if hold.reason == watchdog.DRY_RUN:
                     metrics.MEMORY_RESTARTS.labels(fleet.namespace, fleet.name, "DryRun").inc()
         self._holds = {pod: hold.reason for pod, hold in current.items()}

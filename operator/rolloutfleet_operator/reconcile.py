@@ -14,7 +14,9 @@ import asyncio
 import datetime
 import json
 import logging
+import random
 import secrets
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,6 +29,7 @@ from .desired_state import apply_reason, with_desired_hash
 from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal
 from .kubeapi import KubeApi, resource_path
 from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash, unwanted_children
+from .pacing import Refused, refused_again
 from .plan import VOLUNTARY_DISRUPTIONS, ProxyPodView, plan_proxies, proxy_pod_view, ready_pod_urls
 from .pod_problems import PodProblem, mount_failures, pod_problem, waiting_to_mount
 from .status_apply import RECONCILER_MANAGER, apply_status
@@ -64,6 +67,9 @@ class Reconciler:
         self._admin_keys: dict[tuple[str, str], tuple[str, str]] = {}
         # (uid, generation) of the spec whose unwanted children were last removed, per fleet.
         self._pruned: dict[tuple[str, str], tuple[str, int]] = {}
+        # Proxy pods the API server refused to create, per (namespace, fleet, ordinal): retried
+        # with backoff (pacing.py), not on every pass a pod event runs.
+        self._refused: dict[tuple[str, str, int], Refused] = {}
 
     def lock_for(self, namespace: str, name: str) -> asyncio.Lock:
         """One pass or status write per fleet at a time: kopf runs the fleet's handlers, its timer,
@@ -75,6 +81,8 @@ class Reconciler:
         self._locks.pop((namespace, name), None)
         self._pruned.pop((namespace, name), None)
         self._admin_keys.pop((namespace, name), None)
+        for key in [k for k in self._refused if k[:2] == (namespace, name)]:
+            del self._refused[key]
 
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.to_thread(fn, *args, **kwargs)
@@ -186,13 +194,21 @@ class Reconciler:
         failures = result.failures
         for ordinal in plan.create:
             manifest = proxy_pod(fleet, ordinal)
+            key = (fleet.namespace, fleet.name, ordinal)
+            refused = self._refused.get(key)
+            if refused is not None and refused.waiting(time.monotonic()):
+                failures.append(refused.message)  # still reported, not asked again yet
+                continue
             try:
                 created = await self._call(
                     self.api.create, resource_path("v1", "Pod", fleet.namespace), manifest
                 )
             except ApiException as exc:
-                failures.append(f"Pod/{manifest['metadata']['name']}: {_reason(exc)}")
+                message = f"Pod/{manifest['metadata']['name']}: {_reason(exc)}"
+                self._refused[key] = refused_again(refused, time.monotonic(), random.random(), message)
+                failures.append(message)
                 continue
+            self._refused.pop(key, None)
             if created is not None:
                 result.created.append(manifest["metadata"]["name"])
                 metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, "Pod").inc()

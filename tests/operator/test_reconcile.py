@@ -12,6 +12,7 @@ import copy
 
 import pytest
 from fleet_samples import sample
+from kubernetes.client.exceptions import ApiException
 from rolloutfleet_operator.desired_state import with_desired_hash
 from rolloutfleet_operator.fleet import parse_fleet
 from rolloutfleet_operator.manifests import desired_children, engine_deployment, proxy_pod
@@ -28,6 +29,7 @@ class RecordingApi:
         self.fleet = copy.deepcopy(fleet)
         self.fleet["metadata"]["resourceVersion"] = "1"
         self.calls: list[tuple[str, str]] = []
+        self.refuse_pods = False
 
     def apply_reporting(self, obj: dict):
         self.calls.append(("apply", f"{obj['kind']}/{obj['metadata']['name']}"))
@@ -39,6 +41,8 @@ class RecordingApi:
 
     def create(self, path: str, body: dict):
         self.calls.append(("create", body["metadata"]["name"]))
+        if body["kind"] == "Pod" and self.refuse_pods:
+            raise ApiException(status=403, reason="Forbidden")
         return body
 
     def delete(self, path: str, body=None):
@@ -202,3 +206,18 @@ async def test_the_admin_key_secret_is_checked_once_per_fleet():
     reconciler.forget("rl", body["metadata"]["name"])  # the fleet was deleted: a new one checks again
     await reconciler.reconcile(body)
     assert len([c for c in api.calls if c[0] == "get" and "/secrets/" in c[1]]) == 2
+
+
+async def test_a_refused_proxy_pod_is_retried_with_backoff_and_still_reported():
+    body = sample("minimal")
+    indexes = cluster_at_rest(body)
+    key = ("rl", body["metadata"]["name"])
+    indexes[("v1", "Pod")][key] = []  # no proxy pod yet
+    reconciler, api, _ = reconciler_for(body, indexes)
+    api.refuse_pods = True
+    results = [await reconciler.reconcile(body) for _ in range(3)]  # passes that pod events ask for
+    pod_creates = [c for c in api.calls if c[0] == "create" and "-proxy-" in c[1]]
+    assert len(pod_creates) == 1, "asked once; the next attempt waits for its backoff"
+    assert all(r.failures and "Pod/minimal-proxy-0" in r.failures[0] for r in results)
+    failure = next(c for c in api.fleet["status"]["conditions"] if c["type"] == "ReplicaFailure")
+    assert failure["reason"] == "FailedCreate" and "minimal-proxy-0" in failure["message"]
