@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import yaml
-from rolloutfleet_operator import manifests
 from rolloutfleet_operator.fleet import (
     MAX_FLEET_NAME_LENGTH,
     NETWORK_POLICY_ENV,
@@ -20,6 +19,11 @@ from rolloutfleet_operator.fleet import (
     OperatorDefaults,
     parse_fleet,
 )
+from rolloutfleet_operator.manifests.admin_key import admin_key_secret
+from rolloutfleet_operator.manifests.children import desired_children
+from rolloutfleet_operator.manifests.engines import engine_deployment
+from rolloutfleet_operator.manifests.gateway import gateway_deployment, gateway_service_account
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
 from rolloutfleet_testkit.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -53,8 +57,8 @@ def sample_fleet(
 
 
 def every_child(fleet: Fleet) -> list[dict[str, Any]]:
-    pods = [manifests.proxy_pod(fleet, i) for i in range(fleet.proxy.replicas)]
-    return [*manifests.desired_children(fleet), manifests.admin_key_secret(fleet, "k"), *pods]
+    pods = [proxy_pod(fleet, i) for i in range(fleet.proxy.replicas)]
+    return [*desired_children(fleet), admin_key_secret(fleet, "k"), *pods]
 
 
 def as_pod(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -97,7 +101,7 @@ def test_every_child_passes_a_server_side_dry_run(cluster, namespace, sample, na
     assert result.returncode == 0, result.stderr
     # The longest proxy pod name the fleet can have (ordinal 999) is a valid pod too.
     if name is not None:
-        longest = manifests.proxy_pod(fleet, 999)
+        longest = proxy_pod(fleet, 999)
         assert len(longest["metadata"]["name"]) == 63
         result = dry_run(cluster, [longest])
         assert result.returncode == 0, result.stderr
@@ -115,9 +119,9 @@ def enforcing(cluster, namespace):
 
 
 COMPONENT_PODS = {
-    "proxy": lambda fleet: manifests.proxy_pod(fleet, 0),
-    "gateway": lambda fleet: as_pod(manifests.gateway_deployment(fleet)),
-    "engine": lambda fleet: as_pod(manifests.engine_deployment(fleet)),
+    "proxy": lambda fleet: proxy_pod(fleet, 0),
+    "gateway": lambda fleet: as_pod(gateway_deployment(fleet)),
+    "engine": lambda fleet: as_pod(engine_deployment(fleet)),
 }
 
 
@@ -136,7 +140,7 @@ def test_pod_security_levels(cluster, enforcing, level, component, admitted):
     # The router's pod names its ServiceAccount, which must exist (a dry run persists nothing), and be
     # in the admission plugin's cache, which follows the API by a moment. Without its ownerReference:
     # the fleet it names does not exist, so the garbage collector would delete it at once.
-    account = manifests.gateway_service_account(fleet)
+    account = gateway_service_account(fleet)
     del account["metadata"]["ownerReferences"]
     cluster.kubectl("apply", "-f", "-", input=json.dumps(account))
     pod = COMPONENT_PODS[component](fleet)

@@ -104,6 +104,14 @@ def test_samples_apply_cleanly_and_get_defaults(cluster, crd, namespace):
             },
             "maxStaleness and proxy.admission.consumerBatchSize go together",
         ),
+        (
+            {
+                "proxy": {"tokenizer": {"path": "/t"}},
+                "gateway": {"replicas": 2},
+                "externalEngineUrls": ["http://a"],
+            },
+            "gateway.replicas must be 1 with policy manual",
+        ),
     ],
 )
 def test_invalid_fleets_are_rejected_with_a_clear_message(cluster, crd, namespace, spec, message):

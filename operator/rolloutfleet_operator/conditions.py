@@ -101,7 +101,7 @@ class ObservedState:
 
     desired_proxies: int
     proxies: tuple[ProxyPodView, ...]  # pods whose name is `<fleet>-proxy-<i>`, any ordinal
-    current_hash: str  # manifests.template_hash(fleet)
+    current_hash: str  # manifests.proxy_pod.template_hash(fleet)
     gateway_ready: int = 0  # the gateway Deployment's status.readyReplicas (0 when not found)
     gateway_desired: int = 1  # spec.gateway.replicas
     engines_ready: int | None = None  # None when the engines are external

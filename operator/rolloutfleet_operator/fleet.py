@@ -251,12 +251,35 @@ class ProxySpec:
 
 
 @dataclass(frozen=True)
+class GatewayRetries:
+    max_retries: int  # attempts, the first included
+    initial_backoff_ms: int
+    max_backoff_ms: int
+    backoff_multiplier: float
+    jitter_factor: float
+
+
+@dataclass(frozen=True)
+class CircuitBreaker:
+    enabled: bool
+    failure_threshold: int
+    success_threshold: int
+    timeout_s: int
+    window_s: int
+
+
+@dataclass(frozen=True)
 class GatewaySpec:
     image: str
     image_pull_policy: str
     replicas: int
+    max_unavailable: int
     port: int
     policy: str
+    assignment_mode: str  # how policy manual places a session it has not seen
+    retries: GatewayRetries
+    circuit_breaker: CircuitBreaker
+    otlp_traces_endpoint: str | None  # None: no tracing
     metrics_port: int
     extra_args: tuple[str, ...]
     resources: dict[str, Any]
@@ -398,13 +421,42 @@ def _optional_dict(value: Any) -> dict[str, Any] | None:
     return None if value is None else _copy_dict(value)
 
 
+def _parse_gateway_retries(raw: Mapping[str, Any]) -> GatewayRetries:
+    return GatewayRetries(
+        max_retries=int(_get(raw, "maxRetries", "gateway.retries.maxRetries")),
+        initial_backoff_ms=int(_get(raw, "initialBackoffMillis", "gateway.retries.initialBackoffMillis")),
+        max_backoff_ms=int(_get(raw, "maxBackoffMillis", "gateway.retries.maxBackoffMillis")),
+        backoff_multiplier=float(_get(raw, "backoffMultiplier", "gateway.retries.backoffMultiplier")),
+        jitter_factor=float(_get(raw, "jitterFactor", "gateway.retries.jitterFactor")),
+    )
+
+
+def _parse_circuit_breaker(raw: Mapping[str, Any]) -> CircuitBreaker:
+    return CircuitBreaker(
+        enabled=bool(_get(raw, "enabled", "gateway.circuitBreaker.enabled")),
+        failure_threshold=int(_get(raw, "failureThreshold", "gateway.circuitBreaker.failureThreshold")),
+        success_threshold=int(_get(raw, "successThreshold", "gateway.circuitBreaker.successThreshold")),
+        timeout_s=int(_get(raw, "timeoutSeconds", "gateway.circuitBreaker.timeoutSeconds")),
+        window_s=int(_get(raw, "windowSeconds", "gateway.circuitBreaker.windowSeconds")),
+    )
+
+
 def _parse_gateway(raw: Mapping[str, Any], defaults: OperatorDefaults) -> GatewaySpec:
+    replicas = int(_get(raw, "replicas", "gateway.replicas"))
+    policy = _get(raw, "policy", "gateway.policy")
+    if replicas > 1 and policy == "manual":  # the CRD's CEL rule, for objects that bypassed it
+        raise ValueError("spec.gateway.replicas must be 1 with policy manual")
     return GatewaySpec(
         image=raw.get("image") or defaults.gateway_image,
         image_pull_policy=_get(raw, "imagePullPolicy", "gateway.imagePullPolicy"),
-        replicas=int(_get(raw, "replicas", "gateway.replicas")),
+        replicas=replicas,
+        max_unavailable=int(_get(raw, "maxUnavailable", "gateway.maxUnavailable")),
         port=int(_get(raw, "port", "gateway.port")),
-        policy=_get(raw, "policy", "gateway.policy"),
+        policy=policy,
+        assignment_mode=_get(raw, "assignmentMode", "gateway.assignmentMode"),
+        retries=_parse_gateway_retries(raw.get("retries") or {}),
+        circuit_breaker=_parse_circuit_breaker(raw.get("circuitBreaker") or {}),
+        otlp_traces_endpoint=(raw.get("tracing") or {}).get("otlpEndpoint"),
         metrics_port=int(_get(raw, "metricsPort", "gateway.metricsPort")),
         extra_args=tuple(str(a) for a in raw.get("extraArgs") or ()),
         resources=_copy_dict(raw.get("resources")),

@@ -28,7 +28,9 @@ from .conditions import AVAILABLE, READY, ObservedState, deployment_available, f
 from .desired_state import apply_reason, with_desired_hash
 from .fleet import Fleet, engine_name, gateway_name, parse_fleet, proxy_ordinal
 from .kubeapi import KubeApi, resource_path
-from .manifests import admin_key_secret, desired_children, proxy_pod, template_hash, unwanted_children
+from .manifests.admin_key import admin_key_secret
+from .manifests.children import desired_children, unwanted_children
+from .manifests.proxy_pod import proxy_pod, template_hash
 from .pacing import Refused, refused_again
 from .plan import VOLUNTARY_DISRUPTIONS, ProxyPodView, plan_proxies, proxy_pod_view, ready_pod_urls
 from .pod_problems import PodProblem, mount_failures, pod_problem, waiting_to_mount

@@ -4,10 +4,14 @@ A plain Starlette route on purpose: FastAPI's dependency solving costs every tur
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive
 
+from .lifecycle import CancelCause
 from .openai_format import (
     Completion,
     CompletionChoice,
@@ -19,6 +23,7 @@ from .openai_format import (
 )
 from .route_auth import RouteAuth
 from .runtime import ProxyRuntime
+from .session import Session
 from .settings import ProxySettings
 
 CHAT_PATH = "/v1/sessions/{session_id}/chat/completions"
@@ -26,6 +31,15 @@ CHAT_PATH = "/v1/sessions/{session_id}/chat/completions"
 CAPABILITY_CHAT_PATH = "/v1/sessions/{session_id}/cap/{capability}/chat/completions"
 # On an answer sent again from the record (a retried request): the engine was not called.
 REPLAYED_HEADER = "Idempotent-Replayed"
+
+
+async def _cancel_when_client_leaves(receive: Receive, runtime: ProxyRuntime, session: Session) -> None:
+    """Wait for the client to disconnect, then cancel the session's generation. The body has been
+    read, so the server's next message is `http.disconnect` (uvicorn sends it also once the answer
+    is complete; by then this task is cancelled)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    runtime.in_flight.cancel(session, CancelCause.CLIENT_GONE)
 
 
 def chat_routes(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAuth) -> list[Route]:
@@ -55,7 +69,12 @@ def chat_routes(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAuth)
         session = authorized_session(request, session_id)
         assert runtime.turns is not None and runtime.tokenizer is not None
         timings = request.scope["state"].setdefault("timings", {})
-        result = await runtime.turns.run_turn(session, chat_request, timings)
+        # A client that disconnects cancels its turn's generation: no engine decodes for nobody.
+        watcher = asyncio.create_task(_cancel_when_client_leaves(request.receive, runtime, session))
+        try:
+            result = await runtime.turns.run_turn(session, chat_request, timings)
+        finally:
+            watcher.cancel()
         choices = []
         for choice in result.choices:
             logprobs = None

@@ -17,6 +17,7 @@ from .ids import SESSION_ID_RULE
 
 DRAINING_RETRY_AFTER_S = 2  # a replacement takes over within seconds
 STORAGE_RETRY_AFTER_S = 5
+CLIENT_CLOSED_REQUEST_STATUS = 499  # nginx's code for a client that left before its answer
 
 
 class ProxyError(Exception):
@@ -134,6 +135,8 @@ def http_error(failure: f.Failure) -> ProxyError:
             return ProxyError(504, failure.code, failure.message)
         case f.IdempotencyKeyReused():
             return ProxyError(422, failure.code, failure.message)
+        case f.ClientGone():
+            return ProxyError(CLIENT_CLOSED_REQUEST_STATUS, failure.code, failure.message)
     return ProxyError(
         500, ErrorCode.INTERNAL_ERROR, f"{type(failure).__name__}: {failure}"
     )  # unmapped: a bug

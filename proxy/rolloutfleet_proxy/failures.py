@@ -179,6 +179,17 @@ class SessionDeleted(Failure):
         self.session_id = session_id
 
 
+class ClientGone(Failure):
+    code = ErrorCode.CLIENT_CLOSED_REQUEST
+
+    def __init__(self, session_id: str):
+        super().__init__(
+            f"the client of session {session_id} disconnected during this turn; its generation was "
+            "cancelled and nothing was recorded"
+        )
+        self.session_id = session_id
+
+
 class NoNewMessages(Failure):
     code = ErrorCode.NO_NEW_MESSAGES
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import enum
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 from .session import Session
 
@@ -59,16 +60,30 @@ class Lifecycle:
         self.phase = Phase.DRAINED if ok else Phase.DRAIN_FAILED
 
 
+class CancelCause(enum.Enum):
+    DELETED = "deleted"  # the session was deleted
+    SHUTDOWN = "shutdown"  # the drain's grace period ended
+    CLIENT_GONE = "client_gone"  # the turn's client disconnected
+
+
+@dataclass
+class InFlightGeneration:
+    """A turn's generation task, and why it was cancelled (None while it was not)."""
+
+    task: asyncio.Task
+    cancelled_by: CancelCause | None = None
+
+
 class InFlightTurns:
     """Every turn from taking its session to its journal commit, and the generation task of each turn
-    waiting on the upstream (what a DELETE or the drain cancels)."""
+    waiting on the upstream (what a DELETE, the drain or a departed client cancels)."""
 
     def __init__(self, lifecycle: Lifecycle) -> None:
         self._lifecycle = lifecycle
         self._active = 0
         self._idle = asyncio.Event()
         self._idle.set()
-        self._generations: dict[Session, asyncio.Task] = {}
+        self._generations: dict[Session, InFlightGeneration] = {}
 
     @property
     def closed(self) -> bool:
@@ -92,22 +107,28 @@ class InFlightTurns:
                 self._idle.set()
 
     @contextlib.contextmanager
-    def generation(self, session: Session, task: asyncio.Task) -> Iterator[None]:
-        self._generations[session] = task
+    def generation(self, session: Session, task: asyncio.Task) -> Iterator[InFlightGeneration]:
+        generation = InFlightGeneration(task)
+        self._generations[session] = generation
         try:
-            yield
+            yield generation
         finally:
             del self._generations[session]
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
 
-    def cancel(self, session: Session) -> None:
-        """Cancel the session's generation, if one is under way."""
-        task = self._generations.get(session)
-        if task is not None:
-            task.cancel()
+    def cancel(self, session: Session, cause: CancelCause) -> bool:
+        """Cancel the session's generation, if one is under way (a turn past it, committing, is not
+        cancelled). Cancelling closes the upstream connection, which is what aborts the request on
+        the engine (docs/proxy.md, "Cancelled turns")."""
+        generation = self._generations.get(session)
+        if generation is None or generation.task.done():
+            return False
+        generation.cancelled_by = generation.cancelled_by or cause
+        generation.task.cancel()
+        return True
 
     def cancel_all(self) -> None:
-        for task in self._generations.values():
-            task.cancel()
+        for session in list(self._generations):
+            self.cancel(session, CancelCause.SHUTDOWN)

@@ -24,6 +24,7 @@ from .errors import (
 from .failures import DeletionNotDurable, Failure, TurnInFlight
 from .history import MAX_JSON_DEPTH, json_depth_within
 from .ids import capability_path, is_valid_new_session_id, key_digest, new_session_id, new_session_key
+from .lifecycle import CancelCause
 from .openai_format import json_body
 from .responses import json_response
 from .route_auth import RouteAuth
@@ -143,7 +144,7 @@ def session_router(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAu
     async def delete_session(session_id: str, request: Request) -> Response:
         authorized_session(request, session_id)
         session = runtime.store.remove(session_id, "deleted by the client")
-        runtime.in_flight.cancel(session)
+        runtime.in_flight.cancel(session, CancelCause.DELETED)
         runtime.counters.sessions_deleted += 1
         runtime.counters.sessions_evicted += 1
         try:

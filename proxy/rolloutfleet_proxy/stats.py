@@ -23,7 +23,8 @@ class Counters:
     turns_failed: int = 0
     turns_busy_rejected: int = 0
     turns_replayed: int = 0  # retried requests answered from the record, without the engine
-    turns_cancelled: int = 0
+    turns_cancelled: int = 0  # by a DELETE, the drain, or a client that disconnected
+    turns_client_gone: int = 0  # cancelled because their client disconnected
     sessions_created: int = 0
     sessions_refused_memory: int = 0
     sessions_deleted: int = 0

@@ -40,6 +40,7 @@ from .continuation import (
     merge_segments,
 )
 from .failures import (
+    ClientGone,
     Failure,
     IdempotencyKeyReused,
     NewMessagesTooLarge,
@@ -56,7 +57,7 @@ from .failures import (
 )
 from .generation import GenerationControl
 from .history import extend_digest, tools_digest
-from .lifecycle import InFlightTurns
+from .lifecycle import CancelCause, InFlightTurns
 from .openai_format import ChatRequest
 from .replies import Reply, ReplyBuilder, prompt_opens_reasoning
 from .session import RecordedTurn, Session
@@ -463,19 +464,23 @@ class TurnService:
     async def _call_upstream(
         self, session: Session, prompt: array, sampling: dict, n: int
     ) -> tuple[list[MergedTurn], float]:
-        # One task for the wait at the gate and the call: a DELETE or the drain cancels either.
+        # One task for the wait at the gate and the call: a DELETE, the drain or a departed client
+        # cancels either, which closes the upstream connection and so aborts the engine's request.
         task = asyncio.create_task(self._generate(prompt, sampling, session, n))
         try:
-            with self._in_flight.generation(session, task):
+            with self._in_flight.generation(session, task) as generation:
                 await asyncio.wait({task})
         finally:
             if not task.done():
-                task.cancel()  # our own request was cancelled (client gone, shutdown): nothing is recorded
+                task.cancel()  # our own request was cancelled (the server's shutdown): nothing is recorded
         if task.cancelled() or session.closed:
             self._counters.turns_cancelled += 1
-            if not session.closed:  # only the shutdown drain cancels a turn of a session it keeps
-                raise ShuttingDown("the proxy shut down during this turn; nothing was recorded")
-            raise SessionDeleted(session.session_id)
+            if session.closed:
+                raise SessionDeleted(session.session_id)
+            if generation.cancelled_by is CancelCause.CLIENT_GONE:
+                self._counters.turns_client_gone += 1
+                raise ClientGone(session.session_id)
+            raise ShuttingDown("the proxy shut down during this turn; nothing was recorded")
         try:
             return task.result()
         except PauseOutlasted:

@@ -21,7 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from proxy_harness import play_session, running_proxy
 from rolloutfleet_operator import metrics
 from rolloutfleet_operator.fleet import FLEET_LABEL, parse_fleet
-from rolloutfleet_operator.manifests import gateway_service, proxy_pod
+from rolloutfleet_operator.manifests.gateway import gateway_service
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
 from rolloutfleet_testkit.controlplane.build import ensure_promtool
 from rolloutfleet_testkit.processes import ServerProcess, free_port, python_module, wait_until_routed
 from test_chart import CHART, ROOT, render

@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 from fleet_samples import GPU, LATER, NOW, POD, SCHEMA, SVC, H, container, env_map, mutated, pod, pod_spec
-from rolloutfleet_operator import manifests
 from rolloutfleet_operator.conditions import (
     Condition,
     ObservedState,
@@ -16,6 +15,9 @@ from rolloutfleet_operator.conditions import (
     set_condition,
 )
 from rolloutfleet_operator.fleet import parse_fleet, selector_string
+from rolloutfleet_operator.manifests.children import unwanted_children
+from rolloutfleet_operator.manifests.engines import engine_deployment
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
 from rolloutfleet_operator.plan import ProxyPodView, proxy_pod_view
 from rolloutfleet_operator.pod_problems import CRASHLOOP_RESTARTS
 from rolloutfleet_proxy.settings import ENV
@@ -444,7 +446,7 @@ def test_fleet_status_counts_and_endpoints():
     ]
     assert by_type(status["conditions"])["Ready"]["status"] == "False"
     # The endpoint of a ready proxy is the public URL the proxy itself was given.
-    assert status["proxyEndpoints"][0] == env_map(manifests.proxy_pod(GPU, 0))[ENV["public_url"]]
+    assert status["proxyEndpoints"][0] == env_map(proxy_pod(GPU, 0))[ENV["public_url"]]
 
 
 def _unknown_keys(value: Any, schema: dict[str, Any], path: str) -> list[str]:
@@ -477,12 +479,12 @@ def test_status_uses_only_fields_of_the_crd_status_schema():
 
 
 def test_children_do_not_share_mutable_state_with_the_fleet():
-    pod_a = manifests.proxy_pod(GPU, 0)
+    pod_a = proxy_pod(GPU, 0)
     container(pod_a)["resources"]["limits"]["memory"] = "1Gi"
-    pod_spec(manifests.engine_deployment(GPU))["tolerations"].append({"key": "x"})
+    pod_spec(engine_deployment(GPU))["tolerations"].append({"key": "x"})
     assert GPU.proxy.resources["limits"]["memory"] == "8Gi"
     assert len(GPU.engines.placement.tolerations) == 1
-    assert manifests.proxy_pod(GPU, 2) == POD
+    assert proxy_pod(GPU, 2) == POD
 
 
 def test_switching_to_external_engines_makes_the_engine_deployment_unwanted():
@@ -490,10 +492,10 @@ def test_switching_to_external_engines_makes_the_engine_deployment_unwanted():
     policies = [
         ("networking.k8s.io/v1", "NetworkPolicy", f"gpu-fleet-{c}") for c in ("proxy", "gateway", "engine")
     ]
-    assert manifests.unwanted_children(GPU) == policies
+    assert unwanted_children(GPU) == policies
     external = mutated("externalEngineUrls", ["http://e:1"])
     del external["spec"]["engines"]
-    assert manifests.unwanted_children(parse_fleet(external)) == [
+    assert unwanted_children(parse_fleet(external)) == [
         ("apps/v1", "Deployment", "gpu-fleet-engine"),
         ("v1", "Service", "gpu-fleet-engines"),
         ("policy/v1", "PodDisruptionBudget", "gpu-fleet-engine"),

@@ -14,7 +14,10 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
+from fleet_samples import SCHEMA
 from rolloutfleet_operator.fleet import MAX_FLEET_NAME_LENGTH
+from rolloutfleet_proxy.reasoning_parsers import REASONING_PARSER_NAMES
+from rolloutfleet_proxy.tool_parsers import TOOL_CALL_PARSER_NAMES
 from rolloutfleet_testkit import crdgen
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -288,4 +291,69 @@ REJECTED = {
 @pytest.mark.parametrize(("proxy", "where"), REJECTED.values(), ids=REJECTED.keys())
 def test_the_schema_rejects(proxy, where):
     found = errors(fleet(**proxy))
+    assert found and all(error.startswith(f"{where}: ") for error in found), found
+
+
+def proxy_schema(field: str) -> dict[str, Any]:
+    return SCHEMA["properties"]["spec"]["properties"]["proxy"]["properties"][field]
+
+
+def test_crd_parser_names_are_the_proxys_registries():
+    """One source of truth: the CRD offers exactly the parsers the proxy has (SGLang's names)."""
+    for field, registry in (
+        ("toolCallParser", TOOL_CALL_PARSER_NAMES),
+        ("reasoningParser", REASONING_PARSER_NAMES),
+    ):
+        enum = proxy_schema(field)["enum"]
+        assert len(enum) == len(set(enum)) and set(enum) == set(registry), field
+        assert proxy_schema(field)["type"] == "string" and "SGLang" in proxy_schema(field)["description"]
+    kwargs = proxy_schema("chatTemplateKwargs")
+    # Without it the API server would prune every key of the object (it declares no properties).
+    assert kwargs["type"] == "object" and kwargs["x-kubernetes-preserve-unknown-fields"] is True
+
+
+GATEWAY_ACCEPTED = {
+    "assignment mode": {"assignmentMode": "min_group"},
+    "retries": {
+        "retries": {"maxRetries": 1, "initialBackoffMillis": 0, "backoffMultiplier": 2, "jitterFactor": 1}
+    },
+    "circuit breaker off": {"circuitBreaker": {"enabled": False}},
+    "tracing by name": {"tracing": {"otlpEndpoint": "otel-collector.monitoring:4317"}},
+    "tracing by address": {"tracing": {"otlpEndpoint": "10.0.0.7:4317"}},
+    "no disruption": {"maxUnavailable": 0},
+}
+
+
+@pytest.mark.parametrize("gateway", GATEWAY_ACCEPTED.values(), ids=GATEWAY_ACCEPTED.keys())
+def test_the_schema_accepts_gateway_settings(gateway):
+    obj = fleet()
+    obj["spec"]["gateway"] = gateway
+    assert not errors(obj)
+
+
+ENDPOINT = "spec.gateway.tracing.otlpEndpoint"
+BREAKER = "spec.gateway.circuitBreaker"
+GATEWAY_REJECTED = {
+    "the router's default name": ({"assignmentMode": "minload"}, "spec.gateway.assignmentMode"),
+    "no attempt": ({"retries": {"maxRetries": 0}}, "spec.gateway.retries.maxRetries"),
+    "jitter over 1": ({"retries": {"jitterFactor": 1.5}}, "spec.gateway.retries.jitterFactor"),
+    "shrinking backoff": ({"retries": {"backoffMultiplier": 0.5}}, "spec.gateway.retries.backoffMultiplier"),
+    "zero threshold": (
+        {"circuitBreaker": {"failureThreshold": 0}},
+        "spec.gateway.circuitBreaker.failureThreshold",
+    ),
+    "endpoint as a URL": (
+        {"tracing": {"otlpEndpoint": "http://otel:4317"}},
+        "spec.gateway.tracing.otlpEndpoint",
+    ),
+    "endpoint without port": ({"tracing": {"otlpEndpoint": "otel"}}, "spec.gateway.tracing.otlpEndpoint"),
+    "tracing without endpoint": ({"tracing": {}}, "spec.gateway.tracing"),
+}
+
+
+@pytest.mark.parametrize(("gateway", "where"), GATEWAY_REJECTED.values(), ids=GATEWAY_REJECTED.keys())
+def test_the_schema_rejects_gateway_settings(gateway, where):
+    obj = fleet()
+    obj["spec"]["gateway"] = gateway
+    found = errors(obj)
     assert found and all(error.startswith(f"{where}: ") for error in found), found

@@ -17,7 +17,8 @@ from rolloutfleet_operator.desired_state import (
     with_desired_hash,
 )
 from rolloutfleet_operator.fleet import DESIRED_HASH_ANNOTATION
-from rolloutfleet_operator.manifests import desired_children, gateway_deployment
+from rolloutfleet_operator.manifests.children import desired_children
+from rolloutfleet_operator.manifests.gateway import gateway_deployment
 
 
 def as_stored(manifest: dict) -> dict:

@@ -5,9 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fleet_samples import GPU, MINIMAL, SCHEMA
+from fleet_samples import GPU, IMAGES, MINIMAL, POLICY_JSON, SCHEMA, gpu_sample
 from rolloutfleet_operator.fleet import (
+    CLIENT_LABEL,
     DEFAULTS,
+    GATEWAY_IMAGE_ENV,
+    NETWORK_POLICY_ENV,
+    PROXY_IMAGE_ENV,
+    NetworkPolicySpec,
     OperatorDefaults,
     client_service_name,
     engine_name,
@@ -52,6 +57,9 @@ def test_a_sparse_object_parses_with_the_crd_defaults():
     assert fleet.proxy.dump.path == "/var/lib/rolloutfleet/dumps" and fleet.proxy.dump.empty_dir == {}
     assert fleet.proxy.memory.consecutive_samples == 3 and not fleet.proxy.memory.enabled
     assert fleet.gateway.port == 30080 and fleet.gateway.policy == "manual"  # routes by session
+    assert fleet.gateway.assignment_mode == "min_load" and fleet.gateway.replicas == 1
+    assert fleet.gateway.retries.max_retries == 5 and fleet.gateway.circuit_breaker.enabled
+    assert fleet.gateway.otlp_traces_endpoint is None and fleet.gateway.max_unavailable == 1
     assert fleet.engines is not None and fleet.engines.gpus_per_engine == 1
     assert fleet.engines.tensor_parallel_size == 1 and fleet.engines.port == 30000
 
@@ -81,6 +89,11 @@ def test_parse_reads_metadata_and_the_gpu_sample():
             "proxy": {"tokenizer": {"path": "/t"}, "admission": {"consumerBatchSize": 8}},
             "externalEngineUrls": ["http://e:1"],
         },
+        {
+            "proxy": {"tokenizer": {"path": "/t"}},
+            "gateway": {"replicas": 2},
+            "externalEngineUrls": ["http://e:1"],
+        },
     ],
 )
 def test_parse_rejects_what_the_crd_rejects(spec):
@@ -104,3 +117,42 @@ def test_names_and_labels():
     assert dict(part.split("=") for part in selector.split(",")) == labels(GPU, "proxy")
     names = {headless_service_name(GPU), client_service_name(GPU), gateway_name(GPU), engine_name(GPU)}
     assert len(names) == 4
+
+
+def test_default_images_come_from_the_operators_environment():
+    env = {PROXY_IMAGE_ENV: "r.example/rolloutfleet-proxy:2.0.0", GATEWAY_IMAGE_ENV: "r.example/router:9"}
+    assert OperatorDefaults.from_environment(env, "2.0.0") == OperatorDefaults(
+        "r.example/rolloutfleet-proxy:2.0.0", "r.example/router:9"
+    )
+    assert OperatorDefaults.from_environment({}, "2.0.0") == OperatorDefaults(
+        "rolloutfleet-proxy:2.0.0", "rolloutfleet-sglang-router:0.3.2"
+    )
+    obj = gpu_sample()
+    obj["spec"]["proxy"]["image"] = "mine:1"
+    assert parse_fleet(obj, IMAGES).proxy.image == "mine:1"
+
+
+def test_network_policy_settings_come_from_the_operators_environment():
+    defaults = OperatorDefaults.from_environment({NETWORK_POLICY_ENV: POLICY_JSON}, "1.0.0")
+    policy = defaults.network_policy
+    assert policy == NetworkPolicySpec(
+        clients={"matchLabels": {CLIENT_LABEL: "true"}},  # the default client label
+        client_namespaces={"matchLabels": {"team": "rl"}},
+        operator_namespace="rolloutfleet-system",
+        scrapers={"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    )
+    assert OperatorDefaults.from_environment({}, "1.0.0").network_policy is None
+    with pytest.raises(ValueError, match="operatorNamespace"):
+        NetworkPolicySpec.parse("{}")
+
+
+def test_the_default_router_image_carries_the_router_release_the_tests_run():
+    """One release of sglang-router: the one pyproject.toml pins (the tests run it), the one
+    images/sglang-router installs, and the tag of the operator's default gateway image."""
+    from rolloutfleet_operator.fleet import SGLANG_ROUTER_VERSION
+    from rolloutfleet_testkit.images.catalog import dockerfile_images, pinned_version
+
+    assert pinned_version("sglang-router") == SGLANG_ROUTER_VERSION
+    dockerfile, names = dockerfile_images()["sglang-router"]
+    assert f"sglang-router=={SGLANG_ROUTER_VERSION}" in dockerfile.read_text()
+    assert names == [OperatorDefaults.from_environment({}, "1.0.0").gateway_image]

@@ -13,8 +13,9 @@ from typing import Any
 
 import test_chart
 import yaml
-from rolloutfleet_operator import manifests
 from rolloutfleet_operator.fleet import NETWORK_POLICY_ENV, OperatorDefaults, parse_fleet
+from rolloutfleet_operator.manifests.children import desired_children
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
 from rolloutfleet_testkit.controlplane.build import ensure_kube_score
 from test_chart import render_result
 
@@ -55,8 +56,8 @@ def sample_children(name: str, defaults: OperatorDefaults | None) -> list[dict[s
     obj = yaml.safe_load((ROOT / "operator" / "samples" / f"{name}.yaml").read_text())
     obj["metadata"].update({"namespace": "rl", "uid": "00000000-0000-0000-0000-000000000001"})
     fleet = parse_fleet(obj, defaults)
-    pods = [manifests.proxy_pod(fleet, i) for i in range(fleet.proxy.replicas)]
-    return [*manifests.desired_children(fleet), *pods]
+    pods = [proxy_pod(fleet, i) for i in range(fleet.proxy.replicas)]
+    return [*desired_children(fleet), *pods]
 
 
 def chart_objects(helm: str) -> list[dict[str, Any]]:

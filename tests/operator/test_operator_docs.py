@@ -26,7 +26,8 @@ from rolloutfleet_operator.conditions import (
     fleet_conditions,
 )
 from rolloutfleet_operator.fleet import MemorySpec, parse_fleet
-from rolloutfleet_operator.manifests import HASH_EXEMPT_ENV, proxy_pod
+from rolloutfleet_operator.manifests.proxy_env import HASH_EXEMPT_ENV
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
 from rolloutfleet_operator.plan import ProxyPodView
 from rolloutfleet_testkit.crdgen import source_crd
 from rolloutfleet_wire.fleet_defaults import SPEC_DEFAULTS

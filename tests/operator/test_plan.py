@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from fleet_samples import GPU, NOW, H, pod
-from rolloutfleet_operator import manifests
-from rolloutfleet_operator.plan import Deletion, ProxyPodView, plan_proxies, proxy_pod_view
+from rolloutfleet_operator.conditions import ObservedState, fleet_status
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod, template_hash
+from rolloutfleet_operator.plan import Deletion, ProxyPodView, plan_proxies, proxy_pod_view, ready_pod_urls
 
 
 def dels(*items: tuple[int, str]) -> tuple[Deletion, ...]:
@@ -103,7 +106,7 @@ def test_a_roll_never_takes_two_pods_down():
 
 
 def test_proxy_pod_view_reads_a_pod():
-    obj = manifests.proxy_pod(GPU, 1)
+    obj = proxy_pod(GPU, 1)
     obj["metadata"]["deletionTimestamp"] = NOW
     obj["status"] = {
         "phase": "Running",
@@ -119,7 +122,7 @@ def test_proxy_pod_view_reads_a_pod():
         ready=True,
         phase="Running",
         restart_count=4,
-        template_hash=manifests.template_hash(GPU),
+        template_hash=template_hash(GPU),
         deleting=True,
         waiting_reason="CrashLoopBackOff",
     )
@@ -130,3 +133,24 @@ def test_proxy_pod_view_reads_a_pod():
     assert proxy_pod_view(obj, 1).ready is False
     bare = proxy_pod_view({"metadata": {"name": "x"}}, 0)
     assert (bare.ready, bare.phase, bare.template_hash, bare.deleting) == (False, "Pending", None, False)
+
+
+def test_engine_endpoints_are_ready_live_engine_pods_or_the_external_urls():
+    def engine_pod(name: str, ip: str | None, ready: bool, deleting: bool = False) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"name": name}
+        if deleting:
+            metadata["deletionTimestamp"] = "2026-11-22T00:00:00Z"
+        status = {"conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}
+        if ip:
+            status["podIP"] = ip
+        return {"metadata": metadata, "status": status}
+
+    pods = [
+        engine_pod("e-b", "10.0.0.2", True),
+        engine_pod("e-a", "10.0.0.1", True),
+        engine_pod("e-c", "10.0.0.3", False),
+    ]
+    pods += [engine_pod("e-d", "10.0.0.4", True, deleting=True), engine_pod("e-e", None, True)]
+    assert ready_pod_urls(pods, 30000) == ["http://10.0.0.1:30000", "http://10.0.0.2:30000"]
+    observed = ObservedState(1, (), "h", engine_endpoints=("http://10.0.0.1:30000",))
+    assert fleet_status(GPU, observed, "now")["engineEndpoints"] == ["http://10.0.0.1:30000"]

@@ -15,7 +15,9 @@ from fleet_samples import sample
 from kubernetes.client.exceptions import ApiException
 from rolloutfleet_operator.desired_state import with_desired_hash
 from rolloutfleet_operator.fleet import parse_fleet
-from rolloutfleet_operator.manifests import desired_children, engine_deployment, proxy_pod
+from rolloutfleet_operator.manifests.children import desired_children
+from rolloutfleet_operator.manifests.engines import engine_deployment
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
 from rolloutfleet_operator.reconcile import Reconciler
 from rolloutfleet_operator.watch_cache import CACHED_KINDS, FleetStore, OwnedObjects, by_fleet
 
@@ -118,7 +120,7 @@ async def test_a_spec_change_applies_what_it_changed_only():
     await reconciler.reconcile(body)
     api.calls.clear()
     changed = copy.deepcopy(body)
-    changed["spec"]["gateway"]["replicas"] = 2
+    changed["spec"]["gateway"]["assignmentMode"] = "min_group"
     changed["metadata"]["generation"] += 1
     await reconciler.reconcile(changed)
     applies = [c[1] for c in api.calls if c[0] == "apply"]

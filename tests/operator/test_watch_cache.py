@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import kopf
+from rolloutfleet_operator import main as operator_main
 from rolloutfleet_operator.fleet import COMPONENT_LABEL, FLEET_LABEL
 from rolloutfleet_operator.watch_cache import CACHED_KINDS, FleetStore, OwnedObjects, by_fleet, index_id
 
@@ -46,3 +48,20 @@ def test_the_fleet_store_keeps_the_latest_body():
     assert store.get("ns", "f")["metadata"]["resourceVersion"] == "2"
     store.forget("ns", "f")
     assert store.get("ns", "f") is None and ("ns", "f") not in store
+
+
+async def test_the_operator_watches_only_the_objects_it_manages():
+    """Every cached kind's watch carries a label selector, so the API server sends only the
+    operator's own pods and children (kopf's handler filter alone would still stream every pod and
+    Service of the cluster to the operator); fleets are watched whole."""
+    settings = kopf.OperatorSettings()
+    operator_main.select_owned_objects(settings)
+    fleets = kopf.Resource(
+        group="rolloutfleet.dev", version="v1alpha1", plural="rolloutfleets", namespaced=True
+    )
+    for kind in CACHED_KINDS:
+        group, version, plural = operator_main._resource(kind)
+        resource = kopf.Resource(group=group, version=version, plural=plural, kind=kind[1], namespaced=True)
+        selector = ",".join(settings.watching.label_selectors.collect(resource))
+        assert selector == "app.kubernetes.io/managed-by=rolloutfleet-operator", kind
+    assert list(settings.watching.label_selectors.collect(fleets)) == []

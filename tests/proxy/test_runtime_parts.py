@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rolloutfleet_proxy.lifecycle import InFlightTurns, Lifecycle, Phase
+from rolloutfleet_proxy.lifecycle import CancelCause, InFlightTurns, Lifecycle, Phase
 from rolloutfleet_proxy.periodic import PeriodicTask
 from rolloutfleet_proxy.session import Session
 
@@ -90,10 +90,12 @@ async def test_in_flight_turns_idle_when_every_turn_ended_and_cancel_reaches_the
     generation = asyncio.create_task(asyncio.sleep(60))
     with turns.turn():
         idle = asyncio.create_task(turns.wait_idle())
-        with turns.generation(session, generation):
+        with turns.generation(session, generation) as in_flight:
             assert turns.generating == 1
-            turns.cancel(session)
+            assert turns.cancel(session, CancelCause.CLIENT_GONE)
+            turns.cancel(session, CancelCause.DELETED)  # the first cause is the one kept
             await asyncio.wait({generation})
+            assert in_flight.cancelled_by is CancelCause.CLIENT_GONE
         await asyncio.sleep(0)
         assert not idle.done()
     await asyncio.wait_for(idle, 5)

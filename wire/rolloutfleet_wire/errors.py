@@ -59,6 +59,9 @@ class ErrorCode(StrEnum):
     UPSTREAM_ABORTED = "upstream_aborted"  # 503: SGLang aborted the turn too often; nothing was recorded
     UPSTREAM_ERROR = "upstream_error"  # 502: SGLang failed or answered nonsense; nothing was recorded
     UPSTREAM_TIMEOUT = "upstream_timeout"  # 504: SGLang did not answer within upstream_timeout_s
+    # 499 (nginx's "client closed request"): the client went away during its turn, which was cancelled
+    # unrecorded; nobody reads this answer, the access log and the counters do.
+    CLIENT_CLOSED_REQUEST = "client_closed_request"
     # --- the trainer's routes ---
     INVALID_SESSION_IDS = "invalid_session_ids"  # 400
     INVALID_MAX_TRAJECTORIES = "invalid_max_trajectories"  # 400

@@ -31,8 +31,20 @@ PROXY_EXPORT_TTL_SECONDS: Final = 600
 PROXY_ADMISSION_MAX_CONCURRENT_SESSIONS: Final = 0
 GATEWAY_IMAGE_PULL_POLICY: Final = "IfNotPresent"
 GATEWAY_REPLICAS: Final = 1
+GATEWAY_MAX_UNAVAILABLE: Final = 1
 GATEWAY_PORT: Final = 30080
 GATEWAY_POLICY: Final = "manual"
+GATEWAY_ASSIGNMENT_MODE: Final = "min_load"
+GATEWAY_RETRIES_MAX_RETRIES: Final = 5
+GATEWAY_RETRIES_INITIAL_BACKOFF_MILLIS: Final = 50
+GATEWAY_RETRIES_MAX_BACKOFF_MILLIS: Final = 30000
+GATEWAY_RETRIES_BACKOFF_MULTIPLIER: Final = 1.5
+GATEWAY_RETRIES_JITTER_FACTOR: Final = 0.2
+GATEWAY_CIRCUIT_BREAKER_ENABLED: Final = True
+GATEWAY_CIRCUIT_BREAKER_FAILURE_THRESHOLD: Final = 10
+GATEWAY_CIRCUIT_BREAKER_SUCCESS_THRESHOLD: Final = 3
+GATEWAY_CIRCUIT_BREAKER_TIMEOUT_SECONDS: Final = 60
+GATEWAY_CIRCUIT_BREAKER_WINDOW_SECONDS: Final = 120
 GATEWAY_METRICS_PORT: Final = 29000
 ENGINES_REPLICAS: Final = 1
 ENGINES_IMAGE_PULL_POLICY: Final = "IfNotPresent"
@@ -65,8 +77,20 @@ SPEC_DEFAULTS: Final[dict[str, bool | int | float | str]] = {
     "proxy.admission.maxConcurrentSessions": PROXY_ADMISSION_MAX_CONCURRENT_SESSIONS,
     "gateway.imagePullPolicy": GATEWAY_IMAGE_PULL_POLICY,
     "gateway.replicas": GATEWAY_REPLICAS,
+    "gateway.maxUnavailable": GATEWAY_MAX_UNAVAILABLE,
     "gateway.port": GATEWAY_PORT,
     "gateway.policy": GATEWAY_POLICY,
+    "gateway.assignmentMode": GATEWAY_ASSIGNMENT_MODE,
+    "gateway.retries.maxRetries": GATEWAY_RETRIES_MAX_RETRIES,
+    "gateway.retries.initialBackoffMillis": GATEWAY_RETRIES_INITIAL_BACKOFF_MILLIS,
+    "gateway.retries.maxBackoffMillis": GATEWAY_RETRIES_MAX_BACKOFF_MILLIS,
+    "gateway.retries.backoffMultiplier": GATEWAY_RETRIES_BACKOFF_MULTIPLIER,
+    "gateway.retries.jitterFactor": GATEWAY_RETRIES_JITTER_FACTOR,
+    "gateway.circuitBreaker.enabled": GATEWAY_CIRCUIT_BREAKER_ENABLED,
+    "gateway.circuitBreaker.failureThreshold": GATEWAY_CIRCUIT_BREAKER_FAILURE_THRESHOLD,
+    "gateway.circuitBreaker.successThreshold": GATEWAY_CIRCUIT_BREAKER_SUCCESS_THRESHOLD,
+    "gateway.circuitBreaker.timeoutSeconds": GATEWAY_CIRCUIT_BREAKER_TIMEOUT_SECONDS,
+    "gateway.circuitBreaker.windowSeconds": GATEWAY_CIRCUIT_BREAKER_WINDOW_SECONDS,
     "gateway.metricsPort": GATEWAY_METRICS_PORT,
     "engines.replicas": ENGINES_REPLICAS,
     "engines.imagePullPolicy": ENGINES_IMAGE_PULL_POLICY,

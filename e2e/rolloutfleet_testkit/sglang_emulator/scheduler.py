@@ -27,6 +27,7 @@ Behaviours and where SGLang has them:
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from .protocol import Sampling, finish_reason
 from .radix_cache import RadixCache
 
 PAUSE_MODES = ("abort", "retract", "in_place")
+ENDED_KEPT = 1000  # the most recent ended requests /emulator_stats lists (rid, finish, tokens)
 
 
 @dataclass(eq=False)
@@ -98,6 +100,8 @@ class Scheduler:
             "generated_tokens": 0,
             "aborted": 0,
         }
+        # What tests ask "did the engine stop decoding that rid": the latest ended requests.
+        self.ended: collections.deque[dict] = collections.deque(maxlen=ENDED_KEPT)
         self._task: asyncio.Task | None = None
 
     # --- requests --------------------------------------------------------------------------------
@@ -168,6 +172,8 @@ class Scheduler:
 
     def _end(self, request: Request, finish: dict) -> None:
         request.finish = finish
+        tokens = len(request.output_ids)
+        self.ended.append({"rid": request.rid, "finish": finish["type"], "output_tokens": tokens})
         if request in self.running:
             self.running.remove(request)
         if finish["type"] != "abort":

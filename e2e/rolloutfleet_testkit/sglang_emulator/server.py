@@ -24,7 +24,8 @@ meet (`protocol.py`, `scheduler.py`, `radix_cache.py` name the SGLang functions 
   `SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0`, `/health` answers 200 at once.
 - The info routes sglang-router 0.3.2 reads to register a worker (`/health`, `/server_info`,
   `/model_info` and their deprecated `/get_` names), `/v1/models`, a non-streaming OpenAI
-  `/v1/chat/completions`, and our own `GET /emulator_stats` (requests, prompt and cached tokens).
+  `/v1/chat/completions`, and our own `GET /emulator_stats` (requests, prompt and cached tokens,
+  the running rids, and the latest ended requests with their finish type and token count).
 POSTs through the router need `Content-Type: application/json`; the router re-serializes
 `/generate` bodies (it drops a top-level `seed`; `sampling_seed`, `stop_token_ids`, `rid` and `n` pass,
 a negative `n` is its own 422) and returns a group's list, or its streamed chunks, unchanged.
@@ -551,6 +552,8 @@ def create_app(
             {
                 **scheduler.stats,
                 "running": len(scheduler.running),
+                "running_rids": [r.rid for r in scheduler.running],
+                "ended": list(scheduler.ended),  # the latest, oldest first: rid, finish, output_tokens
                 "paused": scheduler.paused,
                 "cache_tokens": scheduler.cache.size,
                 "weight_version": scheduler.weight_version,

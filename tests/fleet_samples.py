@@ -1,20 +1,25 @@
-"""What the operator's unit tests share: the sample fleets parsed, their main manifests, and helpers
-that read manifests or build pod views and mutated samples."""
+"""What the operator's unit tests share (tests/operator/ and tests/operator/manifests/): the sample
+fleets parsed, their main manifests, and helpers that read manifests or build pod views and mutated
+samples."""
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
-from rolloutfleet_operator import manifests
-from rolloutfleet_operator.fleet import parse_fleet
+from rolloutfleet_operator.fleet import OperatorDefaults, parse_fleet
+from rolloutfleet_operator.manifests.engines import engine_deployment
+from rolloutfleet_operator.manifests.gateway import gateway_deployment
+from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
 from rolloutfleet_operator.plan import ProxyPodView
 from rolloutfleet_proxy.settings import ProxySettings, load_settings
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CRD = yaml.safe_load((ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml").read_text())
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 SAMPLES = ROOT / "operator" / "samples"
@@ -61,9 +66,9 @@ def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-POD = manifests.proxy_pod(GPU, 2)
-GATEWAY = manifests.gateway_deployment(GPU)
-ENGINE = manifests.engine_deployment(GPU)
+POD = proxy_pod(GPU, 2)
+GATEWAY = gateway_deployment(GPU)
+ENGINE = engine_deployment(GPU)
 SVC = "gpu-fleet-proxies"
 
 
@@ -75,6 +80,56 @@ def mutated(path: str, value: Any, base: dict[str, Any] | None = None) -> dict[s
         node = node.setdefault(key, {})
     node[last] = value
     return obj
+
+
+def pod_template(manifest: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(metadata, spec) of a Pod or of a Deployment's pod template."""
+    if manifest["kind"] == "Pod":
+        return manifest["metadata"], manifest["spec"]
+    template = manifest["spec"]["template"]
+    return template["metadata"], template["spec"]
+
+
+# Images the operator's environment would name, and a placement block for any component.
+IMAGES = OperatorDefaults(
+    proxy_image="reg.example/rolloutfleet-proxy:1.2.3", gateway_image="reg.example/router:0.3.2"
+)
+PLACEMENT = {
+    "nodeSelector": {"pool": "cpu"},
+    "tolerations": [{"key": "pool", "operator": "Equal", "value": "cpu", "effect": "NoSchedule"}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                ]
+            }
+        }
+    },
+    "priorityClassName": "rollouts-high",
+    "imagePullSecrets": [{"name": "registry"}],
+    "podLabels": {"kueue.x-k8s.io/queue-name": "rl", "cost-center": "42"},
+    "podAnnotations": {"example.com/owner": "rl-team"},
+}
+# The operator's NetworkPolicy settings, as the chart puts them in its environment.
+POLICY_JSON = json.dumps(
+    {
+        "operatorNamespace": "rolloutfleet-system",
+        "clientNamespaces": {"matchLabels": {"team": "rl"}},
+        "scrapeNamespaces": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+    }
+)
+
+
+def gpu_sample() -> dict[str, Any]:
+    return sample("gpu", generation=1)
+
+
+def fleet_with(component: str, **fields: Any):
+    """The GPU sample with `fields` set in `spec.<component>`, parsed with IMAGES."""
+    obj = gpu_sample()
+    obj["spec"].setdefault(component, {}).update(copy.deepcopy(fields))
+    return parse_fleet(obj, IMAGES)
 
 
 def pod_settings(pod: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> ProxySettings:
