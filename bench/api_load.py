@@ -27,7 +27,6 @@ import json
 import subprocess
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,7 +42,6 @@ from rolloutfleet_testkit.node.config import BRIDGE_IP
 NAMESPACE = "api-load-bench"
 RELEASE = "al"
 OPERATOR_USER = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-rolloutfleet-operator"
-LEASES = "/apis/coordination.k8s.io/"
 RESYNC_S = 10
 
 
@@ -116,24 +114,7 @@ def wait_fleets(cluster: Cluster, count: int, updated: bool, timeout_s: float) -
 
 
 def count(cluster: Cluster, since: datetime.datetime, until: datetime.datetime) -> dict:
-    requests = audit.requests_of(cluster.audit_log, OPERATOR_USER, since, until)
-    fleet_work = [r for r in requests if LEASES not in r.uri]
-    leases = [r for r in requests if LEASES in r.uri]
-    by_kind = Counter(f"{r.verb} {_resource(r.uri)}" for r in fleet_work)
-    return {
-        "requests": len(fleet_work),
-        "writes": sum(r.write for r in fleet_work),
-        "lease_requests": len(leases),
-        "by_verb_and_resource": dict(sorted(by_kind.items())),
-    }
-
-
-def _resource(uri: str) -> str:
-    """The collection a request went to (".../namespaces/ns/pods/name?x" → "pods")."""
-    parts = uri.split("?")[0].strip("/").split("/")
-    if "namespaces" in parts and len(parts) > parts.index("namespaces") + 2:
-        return "/".join(parts[parts.index("namespaces") + 2 :][::2])
-    return parts[-1]
+    return audit.tally(audit.requests_of(cluster.audit_log, OPERATOR_USER, since, until))
 
 
 def measure(cluster: Cluster, fleets: int, window_s: float, work: Path, engine: str) -> dict:

@@ -119,14 +119,13 @@ def test_fleet_lifecycle(cluster, operator, test_tokenizer_dir):
 
 
 RESYNC_S = 10  # the operator's periodic pass (main.RESYNC_SECONDS)
-LEASES = "/apis/coordination.k8s.io/"  # leader election: the replica's, not any fleet's
 
 
 def operator_requests(cluster, operator: Operator, since: datetime.datetime, until: datetime.datetime):
     """What the operator's ServiceAccount asked of the API server in [since, until), from its audit
     log, leader election left out."""
     user = f"system:serviceaccount:{operator.namespace}:{operator.deployment}"
-    return [r for r in audit.requests_of(cluster.audit_log, user, since, until) if LEASES not in r.uri]
+    return [r for r in audit.requests_of(cluster.audit_log, user, since, until) if audit.LEASES not in r.uri]
 
 
 def summary(requests) -> str:

@@ -6,12 +6,17 @@ other replica takes it within seconds."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from operator_install import installed_operator
 from rolloutfleet_testkit import fleet_setup
+from rolloutfleet_testkit.controlplane import audit
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.sglang_emulator.server import create_app as create_engine_app
 from rolloutfleet_testkit.waiting import wait_for
@@ -93,3 +98,160 @@ def test_the_standby_takes_over_when_the_leader_is_killed(cluster, test_tokenize
         handover_s = time.monotonic() - stopped_at
         print(f"[ha] {third} holds the Lease {handover_s:.1f}s after the leader was stopped gracefully")
         assert handover_s < 10, handover_s
+
+
+STALL_NAMESPACE, STALL_RELEASE = "operator-stall", "rfst"
+STALL_LEASE = f"{STALL_RELEASE}-rolloutfleet-operator"
+
+
+def pod_process(pod: str) -> int:
+    """The pid, on this machine, of the operator's process in pod `pod` (its hostname is the pod's)."""
+    wanted = f"HOSTNAME={pod}".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:  # gone, or a kernel thread
+            continue
+        if wanted in environ and b"rolloutfleet" in cmdline:
+            return int(entry.name)
+    raise AssertionError(f"no operator process of pod {pod} on this machine")
+
+
+def api_address(pid: int) -> tuple[str, str]:
+    """The API server's address as the process's in-cluster configuration has it (the Service's)."""
+    environ = dict(
+        item.split(b"=", 1) for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") if b"=" in item
+    )
+    return environ[b"KUBERNETES_SERVICE_HOST"].decode(), environ[b"KUBERNETES_SERVICE_PORT"].decode()
+
+
+def drop_rule(action: str, netns: str, host: str, port: str) -> None:
+    """Insert (-I) or delete (-D) a rule dropping the pod's packets to the API server, in its netns."""
+    subprocess.run(
+        [
+            "nsenter",
+            f"--net={netns}",
+            "iptables",
+            action,
+            "OUTPUT",
+            "-p",
+            "tcp",
+            "-d",
+            host,
+            "--dport",
+            port,
+            "-j",
+            "DROP",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+
+
+def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_dir):
+    """The leader's traffic to the API server is dropped (an iptables rule in its pod's network
+    namespace): it can no longer renew, so it exits two thirds into the Lease; the standby takes the
+    Lease once it has seen it unchanged for its whole duration and carries out a scale-up the old
+    leader never saw. Counted at the API server (its audit log, by client address): no write of the
+    old leader is received after the new one's first, during the stall or after the traffic flows
+    again."""
+    if not cluster.local or cluster.audit_log is None:
+        pytest.skip(
+            "stalls a pod's network on this machine's nodes and reads the local API server's audit log"
+        )
+    namespace = STALL_NAMESPACE
+
+    def get_(*what: str) -> dict:
+        return json.loads(cluster.kubectl("get", *what, "-n", namespace, "-o", "json").stdout)
+
+    def holder_() -> str | None:
+        result = cluster.kubectl("get", "lease", STALL_LEASE, "-n", namespace, "-o", "json", check=False)
+        return json.loads(result.stdout)["spec"].get("holderIdentity") if result.returncode == 0 else None
+
+    def ready(replicas: int) -> bool:
+        return fleet_setup.fleet_ready(get_("rf", "stall").get("status", {}), replicas)
+
+    with (
+        installed_operator(cluster, namespace, STALL_RELEASE, extra={"replicaCount": "2"}),
+        serve_app(create_engine_app(str(test_tokenizer_dir), seed=0), host=cluster.host_ip) as engine_url,
+    ):
+        leader = wait_for(holder_, timeout_s=60, what="a replica to hold the Lease")
+        pods = {
+            p["metadata"]["name"]: p
+            for p in get_("pods", "-l", "app.kubernetes.io/name=rolloutfleet-operator")["items"]
+        }
+        (standby,) = set(pods) - {leader}
+        leader_ip, standby_ip = pods[leader]["status"]["podIP"], pods[standby]["status"]["podIP"]
+        fleet = fleet_setup.external_fleet("stall", namespace, test_tokenizer_dir, engine_url, replicas=1)
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
+        wait_for(lambda: ready(1), timeout_s=120, what="the fleet Ready", interval_s=1)
+
+        pid = pod_process(leader)
+        host, port = api_address(pid)
+        # The namespace outlives the process (the pod's sandbox holds it); an open descriptor keeps a
+        # path to it after the old leader's container has exited.
+        netns_fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY)
+        netns = f"/proc/{os.getpid()}/fd/{netns_fd}"
+        try:
+            stalled_at = datetime.datetime.now(datetime.UTC)
+            drop_rule("-I", netns, host, port)
+            try:
+                cluster.kubectl("scale", "rf/stall", "-n", namespace, "--replicas=2")
+                successor = wait_for(
+                    lambda: (name := holder_()) not in (None, leader) and name,
+                    timeout_s=60,
+                    what="the standby to take the Lease",
+                    interval_s=0.5,
+                )
+                took_over_s = (datetime.datetime.now(datetime.UTC) - stalled_at).total_seconds()
+                print(
+                    f"[ha] {successor} holds the Lease {took_over_s:.1f}s after the leader's traffic stopped"
+                )
+                assert successor == standby
+                wait_for(
+                    lambda: ready(2), timeout_s=120, what="the new leader to scale the fleet", interval_s=1
+                )
+                # The old leader exits when it cannot renew (its container restarts, as a standby).
+                wait_for(
+                    lambda: any(
+                        s.get("restartCount", 0) >= 1
+                        for s in get_("pod", leader)["status"].get("containerStatuses", [])
+                    ),
+                    timeout_s=60,
+                    what="the stalled leader to exit",
+                )
+            finally:
+                drop_rule("-D", netns, host, port)
+        finally:
+            os.close(netns_fd)
+        # Its traffic flows again: anything it had queued now reaches the API server.
+        time.sleep(20)
+        assert holder_() == successor
+        previous = cluster.kubectl("logs", leader, "-n", namespace, "--previous", check=False).stdout
+        assert "leadership lost" in previous, previous[-2000:]
+
+    with cluster.audit_log.open() as lines:
+        requests = [
+            r for r in audit.parse_requests(lines) if r.user.startswith(f"system:serviceaccount:{namespace}:")
+        ]
+    old_writes = [r for r in requests if r.source_ip == leader_ip and r.write and "/leases/" not in r.uri]
+    new_writes = [r for r in requests if r.source_ip == standby_ip and r.write and "/leases/" not in r.uri]
+    assert old_writes and new_writes  # both acted, each in its time: the fleet's pods, status, Events
+    first_new = min(r.received for r in new_writes)
+    assert first_new > stalled_at
+    late = [r for r in old_writes if r.received >= first_new]
+    assert not late, (
+        f"stalled at {stalled_at:%H:%M:%S.%f}, the new leader's first write at {first_new:%H:%M:%S.%f}",
+        late,
+    )
+    old_after_stall = [
+        r for r in requests if r.source_ip == leader_ip and r.received > stalled_at and r.write
+    ]
+    print(
+        f"[ha] old leader: {len(old_writes)} writes, none after {first_new:%H:%M:%S.%f}; "
+        f"{len(old_after_stall)} writes of any kind received after the stall began"
+    )

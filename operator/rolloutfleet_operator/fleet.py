@@ -3,7 +3,9 @@
 `parse_fleet` takes the object as the API returns it (a camelCase dict). The API server has
 applied the CRD's defaults already; the same defaults apply here (DEFAULTS below, generated from the
 CRD's source by ./dev crd) so a partial object, e.g. from a test or an older stored version, still
-parses into a complete view.
+parses into a complete view. What is read by its path instead (the proxy settings the operator
+injects, by the table in rolloutfleet_wire.proxy_settings) comes from `Fleet.spec_value`, with the
+same defaults.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import importlib.metadata
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rolloutfleet_wire.fleet_defaults import PROXY_MEMORY_REFUSE_NEW_SESSIONS_PERCENT, SPEC_DEFAULTS
@@ -170,7 +172,6 @@ class TokenizerSpec:
 @dataclass(frozen=True)
 class DumpSpec:
     path: str
-    durability: str  # the proxies' journal mode: "sync" (default) or "async"
     persistent_volume_claim: dict[str, Any] | None
     host_path: dict[str, Any] | None
     empty_dir: dict[str, Any] | None  # None when another source is set; {} is the default
@@ -201,9 +202,7 @@ class MemorySpec:
 
 @dataclass(frozen=True)
 class AdmissionSpec:
-    max_staleness: int | None
     consumer_batch_size: int | None
-    max_concurrent_sessions: int
 
     def batch_share(self, replicas: int) -> int | None:
         """Each proxy's share of the consumer batch: rounded up, so the fleet admits at least a
@@ -227,24 +226,15 @@ class ProxySpec:
     port: int
     resources: dict[str, Any]
     tokenizer: TokenizerSpec
-    stale_session_timeout_s: float
-    cleanup_interval_s: float
-    drain_grace_s: int
     termination_grace_period_s: int
     dump: DumpSpec
     memory: MemorySpec
     admission: AdmissionSpec
-    export_ttl_s: float
     env: tuple[dict[str, Any], ...]
     env_from: tuple[dict[str, Any], ...]
     placement: Placement
     service_account_name: str | None
     admin_key_secret: SecretKeyRef | None  # None: the operator generates `<fleet>-admin-key`
-    # The served model's chat formats, by SGLang's parser names (None: unset, the proxy's default),
-    # and default chat-template keywords ({}: unset).
-    tool_call_parser: str | None
-    reasoning_parser: str | None
-    chat_template_kwargs: dict[str, Any]
     # What the engines' logprobs are: "tempered" (SGLang's default) or "original"
     # (SGLANG_RETURN_ORIGINAL_LOGPROB=1, set on operator-run engines to match).
     engine_logprobs: str
@@ -324,6 +314,19 @@ class Fleet:
     engines: EngineSpec | None
     external_engine_urls: tuple[str, ...]
     network_policy: NetworkPolicySpec | None = None
+    # The spec as the object holds it (a copy), for what is read by its path: the proxy settings the
+    # operator injects (rolloutfleet_wire.proxy_settings names them by path).
+    spec: Mapping[str, Any] = field(default_factory=dict)
+
+    def spec_value(self, path: str) -> Any:
+        """The value at `path` under spec (e.g. "proxy.dump.durability"): the object's, else the
+        CRD's default, else None."""
+        node: Any = self.spec
+        for key in path.split("."):
+            node = node.get(key) if isinstance(node, Mapping) else None
+            if node is None:
+                return DEFAULTS.get(path)
+        return node
 
     @property
     def admin_key_ref(self) -> SecretKeyRef:
@@ -345,7 +348,6 @@ def _parse_dump(raw: Mapping[str, Any]) -> DumpSpec:
         empty = {}
     return DumpSpec(
         path=_get(raw, "path", "proxy.dump.path"),
-        durability=_get(raw, "durability", "proxy.dump.durability"),
         persistent_volume_claim=_copy_dict(pvc) if pvc is not None else None,
         host_path=_copy_dict(host) if host is not None else None,
         empty_dir=_copy_dict(empty) if empty is not None else None,
@@ -371,13 +373,7 @@ def _parse_admission(raw: Mapping[str, Any]) -> AdmissionSpec:
     staleness, batch = raw.get("maxStaleness"), raw.get("consumerBatchSize")
     if (staleness is None) != (batch is None):
         raise ValueError("spec.proxy.admission.maxStaleness and consumerBatchSize go together")
-    return AdmissionSpec(
-        max_staleness=None if staleness is None else int(staleness),
-        consumer_batch_size=None if batch is None else int(batch),
-        max_concurrent_sessions=int(
-            _get(raw, "maxConcurrentSessions", "proxy.admission.maxConcurrentSessions")
-        ),
-    )
+    return AdmissionSpec(consumer_batch_size=None if batch is None else int(batch))
 
 
 def _parse_proxy(raw: Mapping[str, Any], defaults: OperatorDefaults) -> ProxySpec:
@@ -395,24 +391,17 @@ def _parse_proxy(raw: Mapping[str, Any], defaults: OperatorDefaults) -> ProxySpe
             path=tokenizer["path"],
             volume=_copy_dict(tokenizer["volume"]) if tokenizer.get("volume") else None,
         ),
-        stale_session_timeout_s=_get(raw, "staleSessionTimeoutSeconds", "proxy.staleSessionTimeoutSeconds"),
-        cleanup_interval_s=_get(raw, "cleanupIntervalSeconds", "proxy.cleanupIntervalSeconds"),
-        drain_grace_s=int(_get(raw, "drainGraceSeconds", "proxy.drainGraceSeconds")),
         termination_grace_period_s=int(
             _get(raw, "terminationGracePeriodSeconds", "proxy.terminationGracePeriodSeconds")
         ),
         dump=_parse_dump(raw.get("dump") or {}),
         memory=_parse_memory(raw.get("memory") or {}),
         admission=_parse_admission(raw.get("admission") or {}),
-        export_ttl_s=_get(raw, "exportTtlSeconds", "proxy.exportTtlSeconds"),
         env=_copy_list(raw.get("env")),
         env_from=_copy_list(raw.get("envFrom")),
         placement=_parse_placement(raw),
         service_account_name=_optional_str(raw.get("serviceAccountName")),
         admin_key_secret=SecretKeyRef(admin["name"], admin["key"]) if admin else None,
-        tool_call_parser=_optional_str(raw.get("toolCallParser")),
-        reasoning_parser=_optional_str(raw.get("reasoningParser")),
-        chat_template_kwargs=_copy_dict(raw.get("chatTemplateKwargs")),
         engine_logprobs=_get(raw, "engineLogprobs", "proxy.engineLogprobs"),
     )
 
@@ -530,6 +519,7 @@ def parse_fleet(obj: Mapping[str, Any], defaults: OperatorDefaults | None = None
         engines=_parse_engines(engines_raw) if engines_raw is not None else None,
         external_engine_urls=urls,
         network_policy=defaults.network_policy,
+        spec=copy.deepcopy(dict(spec)),
     )
 
 

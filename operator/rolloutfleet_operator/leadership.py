@@ -13,6 +13,8 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -149,6 +151,14 @@ class LeaseClient:
         """One attempt: True when this replica holds the Lease afterwards. Writes carry the read
         resourceVersion, so of two replicas taking an expired Lease at once only one succeeds."""
         election = self.election
+        deadline = time.monotonic() + timeout_s  # for the read and the write together
+
+        def left() -> float:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no time left to write the Lease {election.name}")
+            return remaining
+
         lease = self.read(timeout_s)
         self.observed = observe(lease, self.observed, time.monotonic())
         action = lease_action(lease, election.identity, self.observed, time.monotonic())
@@ -164,7 +174,7 @@ class LeaseClient:
                     "spec": spec,
                 }
                 try:
-                    self.api.request("POST", election.collection, body=body, timeout=timeout_s)
+                    self.api.request("POST", election.collection, body=body, timeout=left())
                     return True
                 except ApiException as exc:
                     if exc.status == 409:  # created by another replica first
@@ -172,7 +182,7 @@ class LeaseClient:
                     raise
             assert lease is not None
             body = {**lease, "spec": spec}  # metadata.resourceVersion makes the update conditional
-            self.api.request("PUT", election.path, body=body, timeout=timeout_s)
+            self.api.request("PUT", election.path, body=body, timeout=left())
             return True
         except ApiException as exc:
             if exc.status == 409:  # another replica wrote first
@@ -242,6 +252,43 @@ def wait_for_leadership(lease: LeaseClient) -> None:
         time.sleep(election.retry_every_s)
 
 
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close() resets, unsent data dropped
+
+
+def reset_connections_on_close(fd_dir: str = "/proc/self/fd") -> int:
+    """Make closing every TCP connection of this process reset it and drop what was not yet sent.
+
+    A leader whose connection to the API server stalls may have requests (a pod create, a patch)
+    still queued in its sockets when it exits; with an ordinary close the kernel keeps sending them,
+    and they reach the API server whenever the connection flows again, after a standby has taken
+    over. With SO_LINGER 0 they die with the process, whoever opened the socket (our client, kopf's
+    aiohttp). Returns how many connections it set."""
+    count = 0
+    for name in os.listdir(fd_dir):
+        try:
+            sock = socket.socket(fileno=int(name))
+        except (OSError, ValueError):  # not a socket, or closed meanwhile
+            continue
+        try:
+            if sock.type == socket.SOCK_STREAM and sock.family in (socket.AF_INET, socket.AF_INET6):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
+                count += 1
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # the descriptor stays its owner's
+    return count
+
+
+def exit_fenced() -> None:
+    """Leave at once, taking every request still queued in a socket with us (see above)."""
+    try:
+        count = reset_connections_on_close()
+        log.error("exiting: %d connections reset, nothing queued in them will reach the API server", count)
+    finally:
+        os._exit(1)
+
+
 class Leadership:
     """The held Lease, renewed in the background. If it cannot be renewed before another replica
     could take it (two thirds of its duration, timed on this replica's monotonic clock), `on_lost`
@@ -251,7 +298,7 @@ class Leadership:
 
     def __init__(self, lease: LeaseClient, on_lost: Callable[[], None] | None = None):
         self.lease = lease
-        self.on_lost = on_lost or (lambda: os._exit(1))
+        self.on_lost = on_lost or exit_fenced
         self.deadline_s = lease.election.lease_duration_s * 2 / 3
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._renew, name="lease-renewal", daemon=True)

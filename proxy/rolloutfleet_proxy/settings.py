@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from rolloutfleet_wire import fleet_defaults as fleet
-from rolloutfleet_wire.proxy_settings import ENV_PREFIX, InjectedSetting
+from rolloutfleet_wire.proxy_settings import ENV_PREFIX, INJECTED_SETTINGS
 from rolloutfleet_wire.proxy_settings import env_var_name as contract_env_var_name
 
 
@@ -227,7 +227,7 @@ def env_var_name(field: str) -> str:
 
 ENV: dict[str, str] = {field: env_var_name(field) for field in ProxySettings.model_fields}
 
-_uncontracted = sorted(set(InjectedSetting) - set(ProxySettings.model_fields))
+_uncontracted = sorted({setting.name for setting in INJECTED_SETTINGS} - set(ProxySettings.model_fields))
 if _uncontracted:  # the operator would inject variables this proxy ignores (extra="forbid" refuses them)
     raise ImportError(f"proxy settings lack the injected settings {_uncontracted}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fleet_samples import GPU, IMAGES, MINIMAL, POLICY_JSON, SCHEMA, gpu_sample
+from fleet_samples import GPU, IMAGES, MINIMAL, POLICY_JSON, SCHEMA, gpu_sample, sample
 from rolloutfleet_operator.fleet import (
     CLIENT_LABEL,
     DEFAULTS,
@@ -156,3 +156,15 @@ def test_the_default_router_image_carries_the_router_release_the_tests_run():
     dockerfile, names = dockerfile_images()["sglang-router"]
     assert f"sglang-router=={SGLANG_ROUTER_VERSION}" in dockerfile.read_text()
     assert names == [OperatorDefaults.from_environment({}, "1.0.0").gateway_image]
+
+
+def test_spec_values_by_path_take_the_crds_defaults():
+    """What the settings table reads by path: the object's value, else the CRD's default, else None."""
+    assert GPU.spec_value("proxy.admission.maxStaleness") == 2
+    assert GPU.spec_value("proxy.tokenizer.path") == "/models"
+    assert MINIMAL.spec_value("proxy.dump.durability") == DEFAULTS["proxy.dump.durability"] == "sync"
+    assert MINIMAL.spec_value("proxy.admission.maxStaleness") is None  # no default: not injected
+    assert MINIMAL.spec_value("proxy.no.such.field") is None
+    null = sample("minimal")
+    null["spec"]["proxy"]["exportTtlSeconds"] = None
+    assert parse_fleet(null).spec_value("proxy.exportTtlSeconds") == DEFAULTS["proxy.exportTtlSeconds"]

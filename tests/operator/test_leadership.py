@@ -4,6 +4,8 @@ endpoint; the Lease against a real API server and a killed leader are in e2e/tes
 from __future__ import annotations
 
 import datetime
+import socket
+import struct
 import threading
 import time
 
@@ -18,6 +20,7 @@ from rolloutfleet_operator.leadership import (
     lease_spec,
     observe,
     released_spec,
+    reset_connections_on_close,
 )
 from rolloutfleet_testkit.processes import free_port
 
@@ -99,6 +102,33 @@ def test_a_stalled_renewal_gives_the_lease_up_before_a_standby_could_take_it():
     assert api.timeouts and max(api.timeouts) <= 2.0
 
 
+class SlowReadApi:
+    """Reads answer our own Lease after `read_s`; writes hang as long as their timeout allows."""
+
+    def __init__(self, read_s: float):
+        self.read_s = read_s
+        self.write_timeouts: list[float] = []
+
+    def request(self, method, path, body=None, query=None, content_type=None, timeout=30):
+        if method == "GET":
+            time.sleep(self.read_s)
+            return lease("op-a")
+        self.write_timeouts.append(timeout)
+        time.sleep(timeout)
+        raise TimeoutError("stalled")
+
+
+def test_one_renewal_attempt_reads_and_writes_within_the_time_it_is_given():
+    api = SlowReadApi(read_s=0.6)
+    client = LeaseClient(api, Election("ops", "lease", "op-a"))
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        client.try_to_lead(timeout_s=1.0)
+    # The write had what the slow read left of the second, not a second of its own.
+    assert api.write_timeouts and max(api.write_timeouts) <= 0.41
+    assert time.monotonic() - started < 1.2
+
+
 def test_lease_spec_records_the_holder_and_counts_transitions():
     created = lease_spec(ELECTION, NOW, None, "create")
     assert created == {
@@ -129,3 +159,25 @@ def test_a_standby_answers_its_probes_and_frees_the_port_for_kopf():
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
     StandbyHealth("127.0.0.1", port).close()  # the port can be bound again at once
+
+
+def test_a_leaving_leader_resets_its_connections_so_nothing_queued_arrives_later():
+    """A request still in a socket when the leader exits must not reach the API server after a standby
+    took over: every TCP connection of the process is set to reset on close (SO_LINGER 0)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    unix_a, unix_b = socket.socketpair()  # not TCP: left alone
+    try:
+        assert reset_connections_on_close() >= 2  # the client's end and the accepted one, at least
+        for sock in (client, accepted):
+            assert struct.unpack("ii", sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8)) == (1, 0)
+        assert struct.unpack("ii", unix_a.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER, 8))[0] == 0
+        client.sendall(b"a request queued")
+        client.close()  # reset: the peer sees the connection reset instead of an orderly end
+        with pytest.raises(ConnectionResetError):
+            while accepted.recv(1024):
+                pass
+    finally:
+        for sock in (server, accepted, unix_a, unix_b):
+            sock.close()

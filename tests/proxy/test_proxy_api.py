@@ -285,16 +285,21 @@ async def test_delete_during_turn_cancels_it(slow_upstream_url, test_tokenizer_d
 
 async def test_cleanup_during_turn_never_splits_it(slow_upstream_url, test_tokenizer_dir, tmp_path):
     """Stale timeout shorter than the turn: the busy session is not dumped mid-turn; once idle it is,
-    with the turn in it, and the client then learns it ended (410) rather than being served empty."""
+    with the turn in it, and the client then learns it ended (410) rather than being served empty.
+
+    The turn is sent right after the session is created, by a client opened before: a session idle
+    past the timeout before its turn arrives is rightly being dumped (409 session_busy), so the gap
+    must stay far below the timeout even on a loaded machine (opening a client can take 0.3 s)."""
     dumps = tmp_path / "d"
     with running_proxy(
-        slow_upstream_url, test_tokenizer_dir, dumps, stale_session_timeout_s=0.3, cleanup_interval_s=0.1
+        slow_upstream_url, test_tokenizer_dir, dumps, stale_session_timeout_s=0.5, cleanup_interval_s=0.1
     ) as proxy:
-        sid, key = proxy.create_session()
-        auth = {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(base_url=proxy.url, headers=auth, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            created = (await client.post("/v1/sessions", headers=ADMIN, json={})).json()
+            sid, auth = created["session_id"], {"Authorization": f"Bearer {created['session_key']}"}
             response = await client.post(
                 f"/v1/sessions/{sid}/chat/completions",
+                headers=auth,
                 json=chat_body([{"role": "user", "content": "long turn"}]),
             )
             assert response.status_code == 200
@@ -302,7 +307,7 @@ async def test_cleanup_during_turn_never_splits_it(slow_upstream_url, test_token
                 if proxy.stats()["totals"]["sessions_dumped"]:
                     break
                 await asyncio.sleep(0.1)
-            later = await client.get(f"/v1/sessions/{sid}")
+            later = await client.get(f"/v1/sessions/{sid}", headers=auth)
         assert later.status_code == 410 and "dumped" in later.json()["error"]["message"]
         (path,) = (dumps / STALE_AREA).iterdir()
         record = load_session_file(path)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ rules:
 """
 
 WRITE_VERBS = frozenset({"create", "update", "patch", "delete", "deletecollection"})
+# Leader election's Lease requests belong to an operator replica, not to any fleet: counted apart.
+LEASES = "/apis/coordination.k8s.io/"
 
 
 def write_policy(root: Path) -> None:
@@ -49,6 +52,7 @@ class AuditedRequest:
     verb: str  # get, list, watch, create, update, patch, delete, ...
     uri: str
     code: int | None  # None while a watch still runs
+    source_ip: str | None = None  # the client's address (tells two replicas of one ServiceAccount apart)
 
     @property
     def write(self) -> bool:
@@ -65,7 +69,12 @@ def parse_requests(lines: Iterable[str]) -> list[AuditedRequest]:
         received = datetime.datetime.fromisoformat(entry["requestReceivedTimestamp"].replace("Z", "+00:00"))
         code = (entry.get("responseStatus") or {}).get("code")
         request = AuditedRequest(
-            received, entry["user"]["username"], entry["verb"], entry["requestURI"], code
+            received,
+            entry["user"]["username"],
+            entry["verb"],
+            entry["requestURI"],
+            code,
+            (entry.get("sourceIPs") or [None])[0],
         )
         if entry["auditID"] not in found or code is not None:
             found[entry["auditID"]] = request
@@ -78,3 +87,26 @@ def requests_of(
     """The requests `user` made that the API server received in [since, until)."""
     with log.open() as lines:
         return [r for r in parse_requests(lines) if r.user == user and since <= r.received < until]
+
+
+def resource_of(uri: str) -> str:
+    """The collection a request went to (".../namespaces/ns/pods/name?x" -> "pods",
+    ".../pods/name/status" -> "pods/status")."""
+    parts = uri.split("?")[0].strip("/").split("/")
+    if "namespaces" in parts and len(parts) > parts.index("namespaces") + 2:
+        return "/".join(parts[parts.index("namespaces") + 2 :][::2])
+    return parts[-1]
+
+
+def tally(requests: Iterable[AuditedRequest]) -> dict:
+    """What a client asked in a window: its requests and writes (Lease requests apart) and how many
+    of each verb and resource."""
+    requests = list(requests)
+    work = [r for r in requests if LEASES not in r.uri]
+    by_kind = Counter(f"{r.verb} {resource_of(r.uri)}" for r in work)
+    return {
+        "requests": len(work),
+        "writes": sum(r.write for r in work),
+        "lease_requests": len(requests) - len(work),
+        "by_verb_and_resource": dict(sorted(by_kind.items())),
+    }

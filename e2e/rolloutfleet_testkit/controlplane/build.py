@@ -35,6 +35,9 @@ REGISTRY_VERSION = "v3.1.2"
 # kube-score lints what the chart renders and the children the operator builds
 # (tests/operator/test_manifest_lint.py).
 KUBE_SCORE_VERSION = "v1.20.0"
+# KWOK's controller simulates nodes and their pods (no kubelet, no containers) for the scale
+# benchmark (rolloutfleet_testkit.controlplane.kwok, bench/scale.py).
+KWOK_VERSION = "v0.8.0"
 # kubelet and kube-proxy run the test cluster's nodes (rolloutfleet_testkit.node).
 KUBE_COMMANDS = (
     "kube-apiserver",
@@ -231,14 +234,20 @@ def ensure_go_tool(name: str, package: str, version: str, tags: str = "") -> Pat
     work = path.parent.parent / "src"
     work.mkdir(parents=True, exist_ok=True)
     say(f"building {name} {version} into {path.parent} (first run only; a few minutes on 2 cores)")
-    flags = ["-tags", tags] if tags else []
     go(
-        ["install", "-v", "-trimpath", *flags, "-ldflags", "-s -w", f"{package}@{version}"],
+        go_install_args(package, version, tags),
         cwd=work,
         progress_label=name,
         env={"GOBIN": str(path.parent)},
     )
     return path
+
+
+def go_install_args(package: str, version: str, tags: str = "") -> list[str]:
+    """`go install` of one command at a pinned module version, stripped and path-independent as
+    upstream releases build (pure)."""
+    flags = ["-tags", tags] if tags else []
+    return ["install", "-v", "-trimpath", *flags, "-ldflags", "-s -w", f"{package}@{version}"]
 
 
 def promtool_path(version: str = PROMTOOL_VERSION) -> Path:
@@ -263,6 +272,12 @@ def ensure_registry(version: str = REGISTRY_VERSION) -> Path:
 def ensure_kube_score(version: str = KUBE_SCORE_VERSION) -> Path:
     """kube-score, the Kubernetes manifest linter, built on first use; returns its path."""
     return ensure_go_tool("kube-score", "github.com/zegl/kube-score/cmd/kube-score", version)
+
+
+def ensure_kwok(version: str = KWOK_VERSION) -> Path:
+    """KWOK's controller (`kwok`), built on first use; returns its path. Its module has no replace
+    directives, so `go install` builds it as it does helm."""
+    return ensure_go_tool("kwok", "sigs.k8s.io/kwok/cmd/kwok", version)
 
 
 def binaries_dir() -> Path:

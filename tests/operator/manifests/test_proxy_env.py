@@ -4,14 +4,144 @@ the contract's name, loads in the proxy as it means, and extra env overrides it.
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
-from fleet_samples import GPU, MINIMAL, POD, SVC, container, env_map, mutated, pod_settings, sample
+from fleet_samples import GPU, MINIMAL, POD, SCHEMA, SVC, container, env_map, mutated, pod_settings, sample
 from rolloutfleet_operator.fleet import parse_fleet
-from rolloutfleet_operator.manifests.proxy_env import HASH_EXEMPT_ENV
+from rolloutfleet_operator.manifests.proxy_env import HASH_EXEMPT_ENV, derived_values
 from rolloutfleet_operator.manifests.proxy_pod import proxy_pod, template_hash
 from rolloutfleet_proxy.settings import ENV, ProxySettings, effective_settings
+from rolloutfleet_wire.proxy_settings import INJECTED_SETTINGS
+
+# The env (ordinal 1) and template hash of proxy pods for fleets that together set every injected
+# setting, as the operator built them when this file was written. A change here changes what
+# running proxies get and, with the hash, rolls every proxy of every fleet on the operator's
+# upgrade: make it on purpose, then rewrite the file with
+#   ./dev shell -c "PYTHONPATH=tests python tests/operator/manifests/test_proxy_env.py"
+GOLDEN = Path(__file__).with_name("proxy_env_golden.json")
+KWARGS_GOLDEN = {"enable_thinking": False, "tools": {"strict": True, "order": [2, 1]}}
+
+
+def golden_fleets() -> dict[str, dict[str, Any]]:
+    every = sample("gpu")
+    every["spec"]["proxy"].update(
+        port=8001,
+        replicas=3,
+        staleSessionTimeoutSeconds=600.5,
+        cleanupIntervalSeconds=10,
+        drainGraceSeconds=40,
+        exportTtlSeconds=90.0,
+        engineLogprobs="original",
+        toolCallParser="llama3",
+        reasoningParser="deepseek-r1",
+        chatTemplateKwargs=KWARGS_GOLDEN,
+        adminKeySecret={"name": "mine", "key": "token"},
+        admission={"maxStaleness": 3, "consumerBatchSize": 10, "maxConcurrentSessions": 64},
+        memory={"rssBudgetBytes": 4 * 2**30, "refuseNewSessionsPercent": 80},
+        env=[{"name": ENV["cleanup_interval_s"], "value": "7"}, {"name": "EXTRA", "value": "x"}],
+    )
+    every["spec"]["proxy"]["dump"] = {
+        "path": "/srv/dumps/",
+        "durability": "async",
+        "hostPath": {"path": "/d"},
+    }
+    every["spec"]["gateway"] = {"port": 31000}
+    bounded = sample("minimal", namespace="other")
+    bounded["spec"]["proxy"].update(
+        staleSessionTimeoutSeconds=1800.0,
+        admission={"maxConcurrentSessions": 8},
+        memory={"rssBudgetBytes": 10**9, "refuseNewSessionsPercent": 0},
+        chatTemplateKwargs={"enable_thinking": True},
+    )
+    return {"gpu": sample("gpu"), "minimal": sample("minimal"), "every-setting": every, "bounded": bounded}
+
+
+def golden_pods() -> dict[str, Any]:
+    pods = {}
+    for name, obj in golden_fleets().items():
+        fleet = parse_fleet(obj)
+        pods[name] = {"env": container(proxy_pod(fleet, 1))["env"], "template_hash": template_hash(fleet)}
+    return pods
+
+
+@pytest.mark.parametrize("name", list(golden_fleets()))
+def test_proxy_env_and_template_hash_are_as_recorded(name):
+    """Every variable's name, value and place, and the template hash, as recorded (no roll on upgrade)."""
+    assert golden_pods()[name] == json.loads(GOLDEN.read_text())[name]
+
+
+# --- the table: every setting the proxy takes from a fleet field is injected ---------------------
+
+
+def _schema_paths(node: dict[str, Any], prefix: str) -> list[str]:
+    found = []
+    for key, sub in (node.get("properties") or {}).items():
+        found += [f"{prefix}{key}", *_schema_paths(sub, f"{prefix}{key}.")]
+    return found
+
+
+SPEC_PATHS = _schema_paths(SCHEMA["properties"]["spec"], "")
+# Proxy settings with a fleet field that reach the proxy otherwise than by the env (checked below).
+AS_ARGUMENTS = {"port": "--port"}
+
+
+def _setting_words(spec_path: str) -> str:
+    """A spec path in the proxy settings' spelling: proxy.admission.maxStaleness ->
+    admission_max_staleness, ...Seconds -> ..._s."""
+    snake = re.sub(r"([A-Z])", r"_\1", spec_path.removeprefix("proxy.").replace(".", "_")).lower()
+    return re.sub(r"_seconds$", "_s", snake)
+
+
+def test_every_proxy_setting_with_a_fleet_field_is_in_the_table():
+    """A proxy setting named like a field of spec.proxy (the whole path, or its last words) is
+    injected from that field: a new one without a table entry fails here."""
+    table = {setting.name: setting for setting in INJECTED_SETTINGS}
+    matched = {}
+    for field in ProxySettings.model_fields:
+        paths = [
+            path
+            for path in SPEC_PATHS
+            if path.startswith("proxy.") and re.fullmatch(rf"(.+_)?{field}", _setting_words(path))
+        ]
+        if paths:
+            matched[field] = paths
+    assert len(matched) >= 12, matched  # the matching itself works
+    for field, paths in matched.items():
+        if field in AS_ARGUMENTS:
+            args = container(POD)["args"]
+            assert args[args.index(AS_ARGUMENTS[field]) + 1] == str(GPU.proxy.port)
+            continue
+        assert field in table, f"proxy setting {field} has a fleet field {paths} but no table entry"
+        assert [table[field].spec_path] == paths, field
+
+
+def test_the_tables_paths_are_the_crds():
+    for setting in INJECTED_SETTINGS:
+        paths = [setting.spec_path] if setting.spec_path else list(setting.derived_from)
+        assert paths and set(paths) <= set(SPEC_PATHS), setting.name
+        assert setting.name in ProxySettings.model_fields, setting.name
+
+
+def test_the_operator_derives_exactly_the_settings_without_a_spec_path():
+    derived = {setting.name for setting in INJECTED_SETTINGS if setting.spec_path is None}
+    assert set(derived_values(GPU, "p", "http://p")) == derived
+
+
+def test_every_setting_in_the_table_is_injected():
+    """For a fleet that sets every field the table reads, every variable is in the pod, in the
+    table's order, before the spec's own env."""
+    fleet = parse_fleet(golden_fleets()["every-setting"])
+    names = [entry["name"] for entry in container(proxy_pod(fleet, 0))["env"]]
+    user = [entry["name"] for entry in fleet.proxy.env]
+    assert [name for name in names if name not in user] == [
+        setting.env_name for setting in INJECTED_SETTINGS if setting.env_name not in user
+    ]
+    assert names[-len(user) :] == user
+    assert {ENV["staleness_batch_share"], ENV["rss_soft_limit_bytes"]} == HASH_EXEMPT_ENV
+
 
 GPU_ROWS = [
     ("env: upstream", env_map(POD)[ENV["upstream_url"]], "http://gpu-fleet-gateway.rl.svc:30080"),
@@ -124,8 +254,8 @@ def test_chat_formats_reach_the_proxy_when_set(monkeypatch):
         toolCallParser="llama3", reasoningParser="deepseek-r1", chatTemplateKwargs=KWARGS
     )
     fleet = parse_fleet(obj)
-    assert (fleet.proxy.tool_call_parser, fleet.proxy.reasoning_parser) == ("llama3", "deepseek-r1")
-    assert fleet.proxy.chat_template_kwargs == KWARGS and fleet.proxy.chat_template_kwargs is not KWARGS
+    kwargs = fleet.spec_value("proxy.chatTemplateKwargs")
+    assert kwargs == KWARGS and kwargs is not KWARGS  # the fleet holds a copy
     pod = proxy_pod(fleet, 0)
     env = env_map(pod)
     assert env[ENV["tool_call_parser"]] == "llama3" and env[ENV["reasoning_parser"]] == "deepseek-r1"
@@ -156,8 +286,10 @@ def test_chat_formats_are_not_injected_when_unset(proxy, monkeypatch):
     obj = sample("minimal")
     obj["spec"]["proxy"].update(proxy)
     fleet = parse_fleet(obj)
-    assert fleet.proxy.tool_call_parser is None and fleet.proxy.reasoning_parser is None
-    assert fleet.proxy.chat_template_kwargs == {}
+    assert (
+        fleet.spec_value("proxy.toolCallParser") is None and fleet.spec_value("proxy.reasoningParser") is None
+    )
+    assert not fleet.spec_value("proxy.chatTemplateKwargs")
     pod = proxy_pod(fleet, 0)
     assert not CHAT_FORMAT_ENV & set(env_map(pod))
     # The proxy's defaults apply; and an unset field does not change the pod (no roll on upgrade).
@@ -188,3 +320,7 @@ def test_chat_template_kwargs_json_is_stable():
 
 def test_chat_formats_are_template_settings():
     assert not CHAT_FORMAT_ENV & HASH_EXEMPT_ENV
+
+
+if __name__ == "__main__":  # rewrite the recorded env (see GOLDEN)
+    GOLDEN.write_text(json.dumps(golden_pods(), indent=1, sort_keys=True) + "\n")
