@@ -2,9 +2,13 @@
 acts: graceful deletion of over-budget proxies, Events, metrics and the fleet's status.
 
 API requests per cycle, whatever the fleet's size: none at rest (the pods and the fleet come from
-the watch caches, watch_cache.py), one status patch when the condition or memoryRestarts changed
-(two more when the cache lagged: a refused patch and a read), plus one delete per restart. Polls go
-straight to pod IPs, bounded in concurrency and time (stats_poll.py).
+the watch caches, watch_cache.py), one status apply (field manager `rolloutfleet-memory-watchdog`,
+status_apply.py) when its conditions or memoryRestarts changed, plus one delete per restart. Polls
+go straight to pod IPs, bounded in concurrency and time (stats_poll.py).
+
+Storage is reported for every running proxy, Ready or not: a proxy whose dump volume refuses
+writes fails /readyz on purpose, and still answers /stats. The last report of each pod is kept
+until the pod is replaced, so a poll that fails meanwhile does not erase it.
 """
 
 from __future__ import annotations
@@ -18,13 +22,14 @@ from typing import Any, Protocol
 import aiohttp
 
 from . import metrics, watchdog
-from .conditions import set_condition
+from .conditions import condition_entry
 from .fleet import Fleet, proxy_ordinal
 from .kubeapi import KubeApi, resource_path
 from .plan import ProxyPodView, proxy_pod_view
-from .reconcile import POD, write_status
+from .reconcile import POD
 from .reconcile import now_rfc3339 as _now_rfc3339
 from .stats_poll import poll_stats, stats_url
+from .status_apply import WATCHDOG_MANAGER, apply_status
 from .watch_cache import FleetStore, OwnedObjects
 
 log = logging.getLogger("rolloutfleet.watchdog")
@@ -34,7 +39,9 @@ MAX_POLL_TIMEOUT_S = 5.0
 
 
 class EventSink(Protocol):
-    def __call__(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
+    """events.EventRecorder.post_event: one Event per cause, counted."""
+
+    async def __call__(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
 
 
 def poll_timeout(check_interval_s: float) -> float:
@@ -43,15 +50,19 @@ def poll_timeout(check_interval_s: float) -> float:
 
 
 def poll_targets(
-    pods: list[dict[str, Any]], views: dict[str, ProxyPodView], port: int
+    pods: list[dict[str, Any]], views: dict[str, ProxyPodView], port: int, ready: bool = True
 ) -> list[tuple[str, str]]:
-    """(name, /stats URL) of the proxies worth polling: Ready, not terminating, with an IP."""
+    """(name, /stats URL) of the proxies worth polling, not terminating, with an IP: the Ready ones
+    (memory and storage), or with `ready=False` the running ones that are not Ready (storage only:
+    an unwritable proxy fails /readyz but answers /stats)."""
     targets = []
     for pod in pods:
         name = pod["metadata"]["name"]
         view = views.get(name)
         ip = (pod.get("status") or {}).get("podIP")
-        if view is not None and view.ready and not view.deleting and ip:
+        if view is None or view.deleting or not ip:
+            continue
+        if view.ready == ready and (ready or view.phase == "Running"):
             targets.append((name, stats_url(ip, port)))
     return targets
 
@@ -83,13 +94,14 @@ class FleetWatchdog:
         self._holds: dict[str, str] = {}  # pod -> last hold reason reported (Events on change only)
         self._requests = 0  # API requests in the current cycle
         self._rss_series: set[str] = set()  # pods with a PROXY_RSS series
+        self._storage: dict[str, watchdog.StorageReport] = {}  # pod name -> its last storage report
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._requests += 1
         return await asyncio.to_thread(fn, *args)
 
     async def _call_api(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """For write_status: `fn(api, *args)`, counted."""
+        """For apply_status: `fn(api, *args)`, counted."""
         return await self._call(fn, self.api, *args)
 
     async def cycle(self, fleet: Fleet) -> None:
@@ -105,7 +117,8 @@ class FleetWatchdog:
         metrics.PROXY_RSS_BUDGET.labels(fleet.namespace, fleet.name).set(spec.rss_budget_bytes)
         pods: list[dict[str, Any]] = []
         samples: dict[str, watchdog.Sample] = {}
-        if spec.enabled:  # off: no polls, only the condition saying so
+        storage_samples: dict[str, watchdog.Sample] = {}
+        if spec.enabled:  # off: no polls, only the conditions saying so
             pods = self.owned.of_fleet(POD, fleet.namespace, fleet.name, "proxy")
         by_name = {pod["metadata"]["name"]: pod for pod in pods}
         views = {}
@@ -116,12 +129,17 @@ class FleetWatchdog:
         if spec.enabled:
             targets = poll_targets(pods, views, fleet.proxy.port)
             metrics.WATCHDOG_POLLS.labels(fleet.namespace, fleet.name).inc(len(targets))
-            samples = await poll_stats(
-                targets,
+            not_ready = poll_targets(pods, views, fleet.proxy.port, ready=False)
+            polled = await poll_stats(
+                targets + not_ready,
                 timeout_s=poll_timeout(spec.check_interval_s),
                 concurrency=POLL_CONCURRENCY,
                 session=self.http,
             )
+            samples = {name: polled[name] for name, _ in targets if name in polled}
+            storage_samples = polled
+        uids = {name: pod["metadata"].get("uid", "") for name, pod in by_name.items()}
+        self._storage = watchdog.storage_reports(self._storage, storage_samples, uids)
         self._record_samples(fleet, samples)
         now = self._clock()
         if not self._seeded:
@@ -141,8 +159,8 @@ class FleetWatchdog:
             if await self._restart(fleet, by_name[restart.pod], restart):
                 self.state = watchdog.record_restart(self.state, restart.pod, restart.rss_bytes, now, spec)
                 restarts.append((restart, self._now_rfc3339()))
-        self._report_holds(fleet, by_name, decision, now)
-        await self._write_status(fleet, decision, restarts, samples)
+        await self._report_holds(fleet, by_name, decision, now)
+        await self._write_status(fleet, decision, restarts)
 
     def _record_samples(self, fleet: Fleet, samples: Mapping[str, watchdog.Sample]) -> None:
         for pod in self._rss_series - set(samples):  # no series for pods that are gone or not polled
@@ -169,13 +187,13 @@ class FleetWatchdog:
             return False
         message = watchdog.restart_message(restart, fleet.proxy.memory)
         log.info("fleet %s/%s: %s", fleet.namespace, fleet.name, message)
-        self.post_event(_fleet_ref(fleet), "Warning", "MemoryRestart", message)
-        self.post_event(_as_pod(pod), "Warning", "MemoryRestart", message)
+        await self.post_event(_fleet_ref(fleet), "Warning", "MemoryRestart", message)
+        await self.post_event(_as_pod(pod), "Warning", "MemoryRestart", message)
         metrics.MEMORY_RESTARTS.labels(fleet.namespace, fleet.name, "OverBudget").inc()
         metrics.PROXIES_DELETED.labels(fleet.namespace, fleet.name, "MemoryBudget").inc()
         return True
 
-    def _report_holds(
+    async def _report_holds(
         self, fleet: Fleet, pods: Mapping[str, dict[str, Any]], decision: watchdog.Decision, now: float
     ) -> None:
         """An Event when a proxy's hold reason changes (not every cycle of a long backoff)."""
@@ -189,9 +207,9 @@ class FleetWatchdog:
                     else f"MemoryRestart{hold.reason}"
                 )
                 kind = "Normal" if hold.reason == watchdog.DRY_RUN else "Warning"
-                self.post_event(_fleet_ref(fleet), kind, reason, message)
+                await self.post_event(_fleet_ref(fleet), kind, reason, message)
                 if pod in pods:
-                    self.post_event(_as_pod(pods[pod]), kind, reason, message)
+                    await self.post_event(_as_pod(pods[pod]), kind, reason, message)
                 if hold.reason == watchdog.DRY_RUN:
                     metrics.MEMORY_RESTARTS.labels(fleet.namespace, fleet.name, "DryRun").inc()
         self._holds = {pod: hold.reason for pod, hold in current.items()}
@@ -201,30 +219,28 @@ class FleetWatchdog:
         fleet: Fleet,
         decision: watchdog.Decision,
         restarts: list[tuple[watchdog.Restart, str]],
-        samples: Mapping[str, watchdog.Sample],
     ) -> None:
-        def update_for(current: dict[str, Any]) -> dict[str, Any]:
-            status = current.get("status") or {}
-            update: dict[str, Any] = {}
+        def owned_for(stored: Mapping[str, Any]) -> dict[str, Any]:
+            previous = stored.get("conditions") or []
             now = self._now_rfc3339()
-            conditions = watchdog.with_memory_condition(
-                status.get("conditions") or [], decision, now, fleet.generation
-            )
-            if decision.enabled:  # the polls that report storage are the watchdog's
-                conditions = set_condition(
-                    conditions, watchdog.storage_condition(samples, fleet.generation), now
-                )
-            if conditions != (status.get("conditions") or []):
-                update["conditions"] = conditions
-            memory_restarts = status.get("memoryRestarts")
+            storage = watchdog.storage_condition(self._storage, fleet.generation, enabled=decision.enabled)
+            owned: dict[str, Any] = {
+                "conditions": [
+                    condition_entry(watchdog.memory_condition(decision, fleet.generation), previous, now),
+                    condition_entry(storage, previous, now),
+                ]
+            }
+            memory_restarts = stored.get("memoryRestarts")
             for restart, stamp in restarts:
                 memory_restarts = watchdog.memory_restarts_status(memory_restarts, restart, stamp)
-            if memory_restarts != status.get("memoryRestarts"):
-                update["memoryRestarts"] = memory_restarts
-            return update
+            if memory_restarts is not None:  # applied every time: a field left out is given up
+                owned["memoryRestarts"] = memory_restarts
+            return owned
 
         async with self.status_lock:
-            await write_status(self._call_api, self.fleets, fleet.namespace, fleet.name, update_for)
+            await apply_status(
+                self._call_api, self.fleets, fleet.namespace, fleet.name, WATCHDOG_MANAGER, owned_for
+            )
 
 
 def _as_pod(pod: dict[str, Any]) -> dict[str, Any]:
