@@ -44,7 +44,8 @@ def test_samples_apply_cleanly_and_get_defaults(cluster, crd, namespace):
     assert minimal["proxy"]["dump"]["path"] == "/var/lib/rolloutfleet/dumps"
     assert minimal["proxy"]["memory"]["maxUnavailable"] == 1 and minimal["gateway"]["policy"] == "manual"
     listing = cluster.kubectl("get", "rolloutfleets", "-n", namespace).stdout
-    assert "DESIRED" in listing and "MEMORY-RESTARTS" in listing and "gpu-fleet" in listing
+    assert "UP-TO-DATE" in listing and "AVAILABLE" in listing and "MEMORY-RESTARTS" in listing
+    assert "gpu-fleet" in listing
 
 
 @pytest.mark.parametrize(

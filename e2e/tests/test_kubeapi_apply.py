@@ -77,3 +77,52 @@ def test_evict_honours_the_pod_disruption_budget(cluster, namespace):
     assert api.evict(namespace, "evictee", uid) == "evicted"
     assert api.evict(namespace, "no-such-pod") == "gone"
     api.close()
+
+
+def test_two_status_writers_apply_their_own_conditions_without_erasing_each_other(cluster, namespace):
+    """The reconciler and the memory watchdog apply the fleet's status under their own field
+    managers, without reading first: the API server merges the conditions by type (the CRD's
+    list-map), so neither erases the other's, and one giving up a field removes only its own."""
+    from rolloutfleet_operator.status_apply import RECONCILER_MANAGER, WATCHDOG_MANAGER, status_patch
+    from rolloutfleet_testkit import fleet_setup
+
+    cluster.kubectl("apply", "-f", str(fleet_setup.CRDS))
+    cluster.kubectl_client().wait_established("rolloutfleets.rolloutfleet.dev")
+    api = KubeApi(load_configuration(cluster.kubeconfig))
+    fleet = fleet_setup.external_fleet("ssa", namespace, "/tmp", "http://e:1", replicas=1)
+    api.create(f"/apis/rolloutfleet.dev/v1alpha1/namespaces/{namespace}/rolloutfleets", fleet)
+
+    def condition(type_: str, status: str) -> dict:
+        return {
+            "type": type_,
+            "status": status,
+            "reason": "Test",
+            "message": "",
+            "lastTransitionTime": "2026-01-01T00:00:00Z",
+        }
+
+    reconciler = {
+        "readyReplicas": 1,
+        "conditions": [condition("Ready", "True"), condition("Available", "True")],
+    }
+    watchdog = {"memoryRestarts": {"total": 1}, "conditions": [condition("MemoryPressure", "False")]}
+    api.apply_status(status_patch(namespace, "ssa", reconciler), RECONCILER_MANAGER)
+    stored = api.apply_status(status_patch(namespace, "ssa", watchdog), WATCHDOG_MANAGER)
+    assert stored is not None
+    assert {c["type"] for c in stored["status"]["conditions"]} == {"Ready", "Available", "MemoryPressure"}
+    # The reconciler again, from a view without the watchdog's fields: they stay.
+    again = {**reconciler, "conditions": [condition("Ready", "False"), condition("Available", "True")]}
+    stored = api.apply_status(status_patch(namespace, "ssa", again), RECONCILER_MANAGER)
+    assert stored is not None
+    by_type = {c["type"]: c["status"] for c in stored["status"]["conditions"]}
+    assert by_type == {"Ready": "False", "Available": "True", "MemoryPressure": "False"}
+    assert stored["status"]["memoryRestarts"] == {"total": 1}
+    # A condition the reconciler no longer applies is removed; the watchdog's stays.
+    fewer = {**reconciler, "conditions": [condition("Ready", "False")]}
+    stored = api.apply_status(status_patch(namespace, "ssa", fewer), RECONCILER_MANAGER)
+    assert stored is not None
+    assert {c["type"] for c in stored["status"]["conditions"]} == {"Ready", "MemoryPressure"}
+    managers = {m["manager"] for m in stored["metadata"]["managedFields"] if m.get("subresource") == "status"}
+    assert managers == {RECONCILER_MANAGER, WATCHDOG_MANAGER}
+    assert api.apply_status(status_patch(namespace, "gone", fewer), RECONCILER_MANAGER) is None
+    api.close()

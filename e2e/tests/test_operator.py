@@ -466,3 +466,39 @@ def update_weights_mid_rollout(cluster, namespace, status, urls, key, engine, we
             versions = trajectory["versions"][output_start:end]
             assert versions == sorted(versions) and set(versions) <= {0, 1, 2}, versions
     assert httpx.get(f"{engine_url}/get_weight_version").json() == {"weight_version": "2"}
+
+
+def test_a_fleet_with_a_missing_claim_says_so_in_its_conditions_within_one_pass(
+    cluster, operator, test_tokenizer_dir
+):
+    """The scheduler refuses a pod whose claim does not exist (PodScheduled False, Unschedulable:
+    `persistentvolumeclaim "x" not found`); the next pass (a 10 s resync) names the claim and the
+    pod in ReplicaFailure and Ready, and Available is False."""
+    namespace = operator.namespace
+    claim = {"persistentVolumeClaim": {"claimName": "no-such-claim"}}
+    fleet = fleet_setup.external_fleet(
+        "claimless", namespace, test_tokenizer_dir, f"http://{cluster.host_ip}:9", replicas=1, dump=claim
+    )
+    cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
+    try:
+
+        def failure():
+            status = get(cluster, namespace, "rf", "claimless").get("status", {})
+            found = {c["type"]: c for c in status.get("conditions", [])}
+            return found if found.get("ReplicaFailure", {}).get("reason") == "ClaimNotFound" else None
+
+        # The pod is refused within a second or two; the pass after that reports it.
+        conditions = wait_for(
+            failure, timeout_s=25, what="ReplicaFailure to name the missing claim", interval_s=1
+        )
+        message = conditions["ReplicaFailure"]["message"]
+        assert "claimless-proxy-0" in message and 'persistentvolumeclaim "no-such-claim" not found' in message
+        assert conditions["Ready"]["status"] == "False" and "no-such-claim" in conditions["Ready"]["message"]
+        assert (conditions["Available"]["status"], conditions["Available"]["reason"]) == (
+            "False",
+            "ProxiesUnavailable",
+        )
+        listing = cluster.kubectl("get", "rf", "claimless", "-n", namespace).stdout
+        assert "0/1" in listing.splitlines()[1]  # the Ready printer column
+    finally:
+        cluster.kubectl("delete", "rf", "claimless", "-n", namespace, "--wait=false", check=False)

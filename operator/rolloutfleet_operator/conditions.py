@@ -2,52 +2,52 @@
 
 Condition types (each carries `observedGeneration`; `lastTransitionTime` moves only when the
 status does):
+- `Available`: True while enough proxies serve: at least desired - maxUnavailable of the wanted
+  ones (the number the PodDisruptionBudget keeps, and never fewer than 1) are Ready, and the gateway
+  Deployment is Available. It stays True through a roll step or a memory restart.
 - `ProxiesReady`: every proxy ordinal below spec.proxy.replicas has a Ready pod.
-- `GatewayReady`: the gateway Deployment has all its replicas ready.
-- `EnginesReady`: the engine Deployment has all its replicas ready; True with reason NotManaged
-  when the engines run elsewhere (spec.externalEngineUrls).
-- `Progressing`: True while proxies are being created, scaled, rolled or are coming up.
-- `ReplicaFailure`: True while a proxy pod is Failed, crash-looping or cannot start (image pull,
-  bad config), or a child (a proxy pod, or a Service, Deployment or RBAC object the API server
-  refused) could not be created or applied; the message names them.
+- `GatewayReady`: the gateway Deployment has all its replicas ready; when not, the message says
+  why its pods do not serve (pod_problems.py).
+- `EnginesReady`: the same for the engine Deployment; True with reason NotManaged when the engines
+  run elsewhere (spec.externalEngineUrls).
+- `Progressing`: True while proxies are being created, scaled, rolled, replaced or are coming up.
+- `ReplicaFailure`: True while a proxy pod cannot serve without a change (unschedulable, a missing
+  claim, a failed mount, an image that cannot be pulled, a bad config, a crash loop, Failed), or a
+  child (a proxy pod, or a Service, Deployment or RBAC object the API server refused) could not be
+  created or applied; the message names them with the cause.
 - `Ready`: the summary: ProxiesReady, GatewayReady and EnginesReady are True and ReplicaFailure is not.
 
-Conditions of other types in the previous list (e.g. the memory watchdog's) are kept as they are:
-a status patch replaces the whole list, so dropping them here would erase them.
+The reconciler owns these types and writes them with server-side apply; the memory watchdog owns
+its own (MemoryPressure, StorageWritable), so `fleet_conditions` returns the fleet's types only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .fleet import Fleet, gateway_url, proxy_public_url, selector_string
 from .plan import ProxyPodView
+from .pod_problems import PodProblem, describe
 
 Status = Literal["True", "False", "Unknown"]
 
 READY = "Ready"
+AVAILABLE = "Available"
 PROXIES_READY = "ProxiesReady"
 GATEWAY_READY = "GatewayReady"
 ENGINES_READY = "EnginesReady"
 PROGRESSING = "Progressing"
 REPLICA_FAILURE = "ReplicaFailure"
-FLEET_CONDITION_TYPES = (READY, PROXIES_READY, GATEWAY_READY, ENGINES_READY, PROGRESSING, REPLICA_FAILURE)
-
-# A pod not Ready after this many restarts of its proxy container counts as crash-looping.
-CRASHLOOP_RESTARTS = 3
-# Waiting reasons of a container that will not start without a change.
-FAILING_WAITING_REASONS = frozenset(
-    {
-        "CrashLoopBackOff",
-        "ErrImagePull",
-        "ImagePullBackOff",
-        "InvalidImageName",
-        "CreateContainerConfigError",
-        "CreateContainerError",
-        "RunContainerError",
-    }
+FLEET_CONDITION_TYPES = (
+    READY,
+    AVAILABLE,
+    PROXIES_READY,
+    GATEWAY_READY,
+    ENGINES_READY,
+    PROGRESSING,
+    REPLICA_FAILURE,
 )
 MAX_NAMES_IN_MESSAGE = 5
 
@@ -72,29 +72,32 @@ class Condition:
         }
 
 
-def set_condition(existing: Sequence[dict[str, Any]], new: Condition, now: str) -> list[dict[str, Any]]:
-    """`existing` with `new` in place of the condition of its type (appended if absent).
+def condition_entry(new: Condition, previous: Sequence[Mapping[str, Any]], now: str) -> dict[str, Any]:
+    """`new` as a status entry: its lastTransitionTime is the one of the same type in `previous` when
+    the status did not change (reason, message and observedGeneration are new regardless), else `now`."""
+    entry = new.to_dict()
+    old = next((c for c in previous if c.get("type") == new.type), None)
+    kept = old.get("lastTransitionTime") if old is not None and old.get("status") == new.status else None
+    entry["lastTransitionTime"] = kept or now
+    return entry
 
-    lastTransitionTime stays the existing one when the status did not change (reason, message and
-    observedGeneration are updated regardless), and is `now` when it did or the type is new.
-    """
+
+def set_condition(existing: Sequence[dict[str, Any]], new: Condition, now: str) -> list[dict[str, Any]]:
+    """`existing` with `new` in place of the condition of its type (appended if absent), stamped as
+    `condition_entry` does."""
+    entry = condition_entry(new, existing, now)
     result = [dict(c) for c in existing]
     for index, old in enumerate(result):
         if old.get("type") == new.type:
-            kept = old.get("lastTransitionTime") if old.get("status") == new.status else None
-            entry = new.to_dict()
-            entry["lastTransitionTime"] = kept or now
             result[index] = entry
             return result
-    entry = new.to_dict()
-    entry["lastTransitionTime"] = now
     result.append(entry)
     return result
 
 
 @dataclass(frozen=True)
 class ObservedState:
-    """What the reconciler saw on one pass (filled from listed pods and Deployments)."""
+    """What the reconciler saw on one pass (filled from the cached pods and Deployments)."""
 
     desired_proxies: int
     proxies: tuple[ProxyPodView, ...]  # pods whose name is `<fleet>-proxy-<i>`, any ordinal
@@ -103,8 +106,12 @@ class ObservedState:
     gateway_desired: int = 1  # spec.gateway.replicas
     engines_ready: int | None = None  # None when the engines are external
     engines_desired: int | None = None
-    create_failures: tuple[str, ...] = ()  # "<pod>: <error>" for proxy pods the API refused to create
+    create_failures: tuple[str, ...] = ()  # "<child>: <error>" for children the API refused
     engine_endpoints: tuple[str, ...] = ()  # URLs of Ready engine pods, or the external engine URLs
+    max_unavailable: int = 1  # spec.proxy.memory.maxUnavailable (the proxies' PodDisruptionBudget)
+    gateway_available: bool | None = None  # the gateway Deployment's Available condition; None: unknown
+    gateway_problems: tuple[PodProblem, ...] = ()  # why gateway pods do not serve
+    engine_problems: tuple[PodProblem, ...] = ()
 
     @property
     def live(self) -> list[ProxyPodView]:
@@ -124,20 +131,38 @@ class ObservedState:
         """Live proxy pods built from the current template."""
         return sum(1 for p in self.live if p.template_hash == self.current_hash)
 
+    @property
+    def ready_wanted(self) -> int:
+        """Wanted ordinals (below desired) with a live Ready pod."""
+        return len({p.ordinal for p in self.live if p.ready and p.ordinal < self.desired_proxies})
 
-def failing_pods(pods: Sequence[ProxyPodView]) -> list[tuple[ProxyPodView, str]]:
-    """Proxy pods that are down or will not come up without help, with a short description."""
-    failing = []
-    for pod in sorted(pods, key=lambda p: p.ordinal):
-        if pod.deleting:
-            continue
-        if pod.phase == "Failed":
-            failing.append((pod, "Failed"))
-        elif not pod.ready and pod.waiting_reason in FAILING_WAITING_REASONS:
-            failing.append((pod, f"{pod.waiting_reason}, {pod.restart_count} restarts"))
-        elif not pod.ready and pod.restart_count >= CRASHLOOP_RESTARTS:
-            failing.append((pod, f"not ready after {pod.restart_count} restarts"))
-    return failing
+    @property
+    def min_available(self) -> int:
+        """The Ready proxies the fleet needs to count as Available."""
+        if self.desired_proxies == 0:
+            return 0
+        return max(1, self.desired_proxies - self.max_unavailable)
+
+
+def failing_pods(pods: Sequence[ProxyPodView]) -> list[PodProblem]:
+    """Why proxy pods do not serve and will not without help, by ordinal (terminating pods aside)."""
+    return [
+        pod.problem
+        for pod in sorted(pods, key=lambda p: p.ordinal)
+        if pod.problem is not None and not pod.deleting
+    ]
+
+
+def deployment_available(deployment: Mapping[str, Any] | None) -> bool:
+    """The Deployment controller's own verdict (its Available condition: enough replicas Ready for
+    minReadySeconds, by its strategy's maxUnavailable); without conditions yet, one Ready replica."""
+    if deployment is None:
+        return False
+    status = deployment.get("status") or {}
+    for condition in status.get("conditions") or ():
+        if condition.get("type") == "Available":
+            return bool(condition.get("status") == "True")
+    return int(status.get("readyReplicas") or 0) >= 1
 
 
 def _names(items: Sequence[str]) -> str:
@@ -163,51 +188,90 @@ def _proxies_ready(observed: ObservedState) -> Condition:
     return Condition(PROXIES_READY, "False", "NotAllReady", message)
 
 
-def _replicas_ready(type_: str, what: str, ready: int, desired: int) -> Condition:
+def _replicas_ready(
+    type_: str, what: str, ready: int, desired: int, problems: Sequence[PodProblem] = ()
+) -> Condition:
+    """A Deployment's readiness; when short, the reason and message say why its pods do not serve."""
     message = f"{ready}/{desired} {what} replicas ready"
     if desired == 0:
         return Condition(type_, "True", "ScaledToZero", f"no {what} replicas wanted")
     if ready >= desired:
         return Condition(type_, "True", "AllReady", message)
+    if problems:
+        return Condition(type_, "False", problems[0].reason, f"{message}; {describe(problems)}")
     return Condition(type_, "False", "NotAllReady", message)
 
 
 def _engines_ready(observed: ObservedState) -> Condition:
     if observed.engines_desired is None:
         return Condition(ENGINES_READY, "True", "NotManaged", "the engines run outside the fleet")
-    return _replicas_ready(ENGINES_READY, "engine", observed.engines_ready or 0, observed.engines_desired)
+    return _replicas_ready(
+        ENGINES_READY,
+        "engine",
+        observed.engines_ready or 0,
+        observed.engines_desired,
+        observed.engine_problems,
+    )
+
+
+def _available(observed: ObservedState, gateway: Condition) -> Condition:
+    ready, needed = observed.ready_wanted, observed.min_available
+    gateway_available = (
+        observed.gateway_available if observed.gateway_available is not None else gateway.status == "True"
+    )
+    proxies = f"{ready}/{observed.desired_proxies} proxies ready (at least {needed} needed)"
+    if ready < needed:
+        return Condition(AVAILABLE, "False", "ProxiesUnavailable", proxies)
+    if not gateway_available:
+        return Condition(AVAILABLE, "False", "GatewayUnavailable", f"the gateway is not available; {proxies}")
+    return Condition(AVAILABLE, "True", "MinimumProxiesAvailable", f"{proxies}; the gateway is available")
 
 
 def _progressing(observed: ObservedState) -> Condition:
+    """What the proxies are doing, the most telling first: a roll (a live wanted pod built from an
+    older template), a scale-down, pods terminating (a roll step, a memory restart, a deletion by
+    hand: their replacements follow), wanted ordinals without a pod (being created), pods coming up."""
     desired = observed.desired_proxies
     present = {p.ordinal for p in observed.proxies}
-    terminating = [p.name for p in observed.proxies if p.deleting]
-    updated, ready = observed.updated_replicas, observed.ready_replicas
+    # A roll step's pod is outdated while it terminates, too.
+    outdated = [
+        p
+        for p in observed.proxies
+        if p.ordinal < desired and not p.down and p.template_hash != observed.current_hash
+    ]
+    terminating = sorted(p.name for p in observed.proxies if p.deleting)
+    missing = [i for i in range(desired) if i not in present]
+    if outdated:
+        updated = sum(
+            1 for p in observed.live if p.ordinal < desired and p.template_hash == observed.current_hash
+        )
+        return Condition(PROGRESSING, "True", "RollingUpdate", f"{updated}/{desired} proxies updated")
     if any(p.ordinal >= desired for p in observed.live):
         return Condition(PROGRESSING, "True", "ScalingDown", f"scaling down to {desired} proxies")
-    if any(i not in present for i in range(desired)):
-        return Condition(PROGRESSING, "True", "ScalingUp", f"{len(present)}/{desired} proxies created")
-    if updated != desired:
-        return Condition(PROGRESSING, "True", "RollingUpdate", f"{updated}/{desired} proxies updated")
-    if ready != desired:
-        return Condition(PROGRESSING, "True", "WaitingForReady", f"{ready}/{desired} proxies ready")
     if terminating:
-        return Condition(PROGRESSING, "True", "Terminating", f"waiting for {_names(sorted(terminating))}")
+        message = f"waiting for {_names(terminating)} to terminate; replacements follow"
+        return Condition(PROGRESSING, "True", "Terminating", message)
+    if missing:
+        message = f"creating {len(missing)} of {desired} proxies"
+        return Condition(PROGRESSING, "True", "CreatingProxies", message)
+    if observed.ready_wanted != desired:
+        return Condition(
+            PROGRESSING, "True", "WaitingForReady", f"{observed.ready_wanted}/{desired} proxies ready"
+        )
     return Condition(PROGRESSING, "False", "Complete", f"all {desired} proxies updated and ready")
 
 
 def _replica_failure(observed: ObservedState) -> Condition:
-    failing = failing_pods(observed.proxies)
-    parts = [f"{pod.name} ({what})" for pod, what in failing] + list(observed.create_failures)
-    if not parts:
+    problems = failing_pods(observed.proxies)
+    if not problems and not observed.create_failures:
         return Condition(REPLICA_FAILURE, "False", "NoFailures", "")
+    parts = []
     if observed.create_failures:
-        reason = "FailedCreate"
-    elif any(pod.phase == "Failed" for pod, _ in failing):
-        reason = "PodFailed"
-    else:
-        reason = "CrashLoop"
-    return Condition(REPLICA_FAILURE, "True", reason, f"failing proxy pods: {_names(parts)}")
+        parts.append(f"refused: {_names(list(observed.create_failures))}")
+    if problems:
+        parts.append(describe(problems))
+    reason = "FailedCreate" if observed.create_failures else problems[0].reason
+    return Condition(REPLICA_FAILURE, "True", reason, "; ".join(parts))
 
 
 def _ready(components: Sequence[Condition], failure: Condition) -> Condition:
@@ -222,28 +286,36 @@ def _ready(components: Sequence[Condition], failure: Condition) -> Condition:
 
 
 def fleet_conditions(
-    observed: ObservedState, generation: int, now: str, previous: Sequence[dict[str, Any]]
+    observed: ObservedState, generation: int, now: str, previous: Sequence[Mapping[str, Any]]
 ) -> list[dict[str, Any]]:
-    """`previous` with the fleet's condition types set from `observed` (other types kept as they are)."""
+    """The fleet's condition types, set from `observed` (lastTransitionTime kept from `previous`
+    where the status holds). Other types in `previous` are not returned: their writer owns them."""
     proxies = _proxies_ready(observed)
-    gateway = _replicas_ready(GATEWAY_READY, "gateway", observed.gateway_ready, observed.gateway_desired)
+    gateway = _replicas_ready(
+        GATEWAY_READY, "gateway", observed.gateway_ready, observed.gateway_desired, observed.gateway_problems
+    )
     engines = _engines_ready(observed)
     failure = _replica_failure(observed)
-    computed = [_ready((proxies, gateway, engines), failure), proxies, gateway, engines]
-    computed += [_progressing(observed), failure]
-    result = [dict(c) for c in previous]
-    for condition in computed:
-        stamped = Condition(
-            condition.type, condition.status, condition.reason, condition.message, "", generation
-        )
-        result = set_condition(result, stamped, now)
-    return result
+    computed = [
+        _ready((proxies, gateway, engines), failure),
+        _available(observed, gateway),
+        proxies,
+        gateway,
+        engines,
+        _progressing(observed),
+        failure,
+    ]
+    return [
+        condition_entry(Condition(c.type, c.status, c.reason, c.message, "", generation), previous, now)
+        for c in computed
+    ]
 
 
 def fleet_status(
-    fleet: Fleet, observed: ObservedState, now: str, previous_conditions: Sequence[dict[str, Any]] = ()
+    fleet: Fleet, observed: ObservedState, now: str, previous_conditions: Sequence[Mapping[str, Any]] = ()
 ) -> dict[str, Any]:
-    """The whole status the reconciler writes (memoryRestarts is the watchdog's and is left out).
+    """The status fields the reconciler owns (memoryRestarts and the watchdog's conditions are the
+    watchdog's): what it applies.
 
     Only fields of the CRD's status schema, so the API server prunes nothing and the written status
     reads back equal (no endless update loop).
@@ -258,6 +330,7 @@ def fleet_status(
         "replicas": observed.replicas,
         "readyReplicas": observed.ready_replicas,
         "updatedReplicas": observed.updated_replicas,
+        "readyOfDesired": f"{observed.ready_wanted}/{observed.desired_proxies}",
         "selector": selector_string(fleet, "proxy"),
         "gatewayUrl": gateway_url(fleet),
         "proxyEndpoints": endpoints,

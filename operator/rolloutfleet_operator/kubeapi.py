@@ -203,9 +203,30 @@ class KubeApi:
         )
         return applied, status == 201
 
+    def apply_status(self, obj: Mapping[str, Any], field_manager: str) -> dict | None:
+        """Server-side apply of `obj`'s status on the status subresource as `field_manager`: the
+        fields in it become that manager's, the fields other managers own stay as they are (list
+        entries keyed by their map keys, e.g. conditions by type). None when the object is gone."""
+        try:
+            return self.request(
+                "PATCH",
+                object_path(obj) + "/status",
+                body=obj,
+                query={"fieldManager": field_manager, "force": "true"},
+                content_type=APPLY,
+            )
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
     def list(
-        self, api_version: str, kind: str, namespace: str, label_selector: str | None = None
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
     ) -> list[dict]:
-        return self.request(
-            "GET", resource_path(api_version, kind, namespace), query={"labelSelector": label_selector}
-        ).get("items", [])
+        query = {"labelSelector": label_selector, "fieldSelector": field_selector}
+        return self.request("GET", resource_path(api_version, kind, namespace), query=query).get("items", [])

@@ -15,6 +15,7 @@ import aiohttp
 import kopf
 
 from . import metrics
+from .events import EventRecorder
 from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER
 from .fleet_loop import FleetLoops
 from .kubeapi import RESOURCES, KubeApi, load_configuration
@@ -35,6 +36,7 @@ API_BURST = 30
 log = logging.getLogger("rolloutfleet.operator")
 
 _reconciler: Reconciler | None = None
+_events: EventRecorder | None = None
 _loops: FleetLoops | None = None
 _pod_readiness: dict[str, bool] = {}  # proxy pod uid -> Ready as last seen
 # Watching listed namespaces only: kopf need not (and, least-privileged, cannot) list namespaces.
@@ -73,7 +75,7 @@ for _kind in CACHED_KINDS:  # one kopf index per cached kind, handed to the reco
 async def configure(settings: kopf.OperatorSettings, **kwargs) -> None:
     """kwargs: the indexes (kopf hands them to every handler, created empty before startup and
     filled before any other handler runs)."""
-    global _reconciler, _loops
+    global _reconciler, _loops, _events
     select_owned_objects(settings)
     # Handler progress and diff bases go to annotations: the CRD's status schema would prune
     # kopf's default status fields, and a pruned write reads back different, so kopf would loop.
@@ -88,11 +90,8 @@ async def configure(settings: kopf.OperatorSettings, **kwargs) -> None:
     fleets = FleetStore()
     owned = OwnedObjects({kind: kwargs[index_id(kind)] for kind in CACHED_KINDS})
     _reconciler = Reconciler(api, fleets, owned)
+    _events = EventRecorder(api)
     _loops = FleetLoops(_background_pass, _make_watchdog, RESYNC_SECONDS, fleets)
-
-
-def _post_event(obj, type: str, reason: str, message: str) -> None:
-    kopf.event(obj, type=type, reason=reason, message=message)
 
 
 async def _pass(body: kopf.Body) -> bool:
@@ -107,24 +106,26 @@ async def _pass(body: kopf.Body) -> bool:
         raise
     finally:
         metrics.RECONCILE_SECONDS.labels(*fleet).observe(time.perf_counter() - started)
+    assert _events is not None
+    post_event = _events.post_event
     for child in result.created_children:
-        kopf.info(body, reason="Created", message=f"created {child}")
+        await post_event(body, "Normal", "Created", f"created {child}")
     for child in result.deleted_children:
-        kopf.info(body, reason="Deleted", message=f"deleted {child}: the spec no longer wants it")
+        await post_event(body, "Normal", "Deleted", f"deleted {child}: the spec no longer wants it")
     for pod in result.created:
-        kopf.info(body, reason="Created", message=f"created proxy pod {pod}")
+        await post_event(body, "Normal", "Created", f"created proxy pod {pod}")
     for pod, reason in result.deleted:
-        kopf.info(body, reason=reason, message=f"deleted proxy pod {pod} ({reason})")
-    for failure in result.failures:
-        kopf.warn(body, reason="FailedCreate", message=failure)
+        await post_event(body, "Normal", reason, f"deleted proxy pod {pod} ({reason})")
+    for failure in result.failures:  # counted on one Event per cause while it recurs (events.py)
+        await post_event(body, "Warning", "FailedCreate", failure)
     for pod in result.adopted:
-        kopf.info(body, reason="Adopted", message=f"adopted the orphaned proxy pod {pod}")
+        await post_event(body, "Normal", "Adopted", f"adopted the orphaned proxy pod {pod}")
     for lost in result.lost:
         message = lost_message(lost)
-        kopf.warn(body, reason="ProxyLost", message=message)
-        _post_event(_pod_ref(body, lost.pod, lost.uid), "Warning", "ProxyLost", message)
+        await post_event(body, "Warning", "ProxyLost", message)
+        await post_event(_pod_ref(body, lost.pod, lost.uid), "Warning", "ProxyLost", message)
     for lost in result.force_deleted:
-        kopf.warn(body, reason="ForceDeleted", message=force_delete_message(lost))
+        await post_event(body, "Warning", "ForceDeleted", force_delete_message(lost))
     return not result.failures
 
 
@@ -171,10 +172,15 @@ async def track_fleet(event: kopf.RawEvent, body: kopf.Body, **_) -> None:
 
 
 async def _make_watchdog(key: tuple[str, str]):
-    assert _reconciler is not None
+    assert _reconciler is not None and _events is not None
     http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
     watchdog = FleetWatchdog(
-        _reconciler.api, _reconciler.fleets, _reconciler.owned, http, _post_event, _reconciler.lock_for(*key)
+        _reconciler.api,
+        _reconciler.fleets,
+        _reconciler.owned,
+        http,
+        _events.post_event,
+        _reconciler.lock_for(*key),
     )
     return watchdog, http.close
 

@@ -9,10 +9,14 @@ eviction, so the fleet's PodDisruptionBudget has the last word: a refusal (429) 
 reason in the MemoryPressure condition, never a DELETE past the budget.
 
 API requests per cycle, whatever the fleet's size: none at rest (the pods and the fleet come from
-the watch caches, watch_cache.py), one status patch when the condition or memoryRestarts changed
-(two more when the cache lagged: a refused patch and a read), plus, when a restart is decided, one
-list of the proxy pods and one eviction per restart. Polls go straight to pod IPs, bounded in
+the watch caches, watch_cache.py), one status apply (field manager `rolloutfleet-memory-watchdog`,
+status_apply.py) when its conditions or memoryRestarts changed, plus, when a restart is decided,
+one list of the proxy pods and one eviction per restart. Polls go straight to pod IPs, bounded in
 concurrency and time (stats_poll.py).
+
+Storage is reported for every running proxy, Ready or not: a proxy whose dump volume refuses
+writes fails /readyz on purpose, and still answers /stats. The last report of each pod is kept
+until the pod is replaced, so a poll that fails meanwhile does not erase it.
 """
 
 from __future__ import annotations
@@ -21,19 +25,21 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
 
 from . import metrics, watchdog
-from .conditions import set_condition
+from .conditions import condition_entry
 from .fleet import Fleet, parse_fleet
 from .kubeapi import KubeApi
 from .ownership import claim_proxy_pods, proxy_views
 from .plan import ProxyPodView
-from .reconcile import POD, fresh_proxy_pods, write_status
+from .reconcile import POD, fresh_proxy_pods
 from .reconcile import now_rfc3339 as _now_rfc3339
 from .stats_poll import poll_stats, stats_url
+from .status_apply import WATCHDOG_MANAGER, apply_status
 from .watch_cache import FleetStore, OwnedObjects
 
 log = logging.getLogger("rolloutfleet.watchdog")
@@ -43,7 +49,19 @@ MAX_POLL_TIMEOUT_S = 5.0
 
 
 class EventSink(Protocol):
-    def __call__(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
+    """events.EventRecorder.post_event: one Event per cause, counted."""
+
+    async def __call__(self, obj: Mapping[str, Any], type: str, reason: str, message: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Polls:
+    """One cycle's polls: RSS samples of the Ready proxies, storage reports of every running one,
+    and the uids of the pods polled (a storage report is kept until its pod is replaced)."""
+
+    samples: dict[str, watchdog.Sample] = field(default_factory=dict)
+    storage: dict[str, watchdog.Sample] = field(default_factory=dict)
+    uids: dict[str, str] = field(default_factory=dict)
 
 
 def poll_timeout(check_interval_s: float) -> float:
@@ -52,15 +70,19 @@ def poll_timeout(check_interval_s: float) -> float:
 
 
 def poll_targets(
-    pods: list[dict[str, Any]], views: dict[str, ProxyPodView], port: int
+    pods: list[dict[str, Any]], views: dict[str, ProxyPodView], port: int, ready: bool = True
 ) -> list[tuple[str, str]]:
-    """(name, /stats URL) of the proxies worth polling: Ready, not terminating, with an IP."""
+    """(name, /stats URL) of the proxies worth polling, not terminating, with an IP: the Ready ones
+    (memory and storage), or with `ready=False` the running ones that are not Ready (storage only:
+    an unwritable proxy fails /readyz but answers /stats)."""
     targets = []
     for pod in pods:
         name = pod["metadata"]["name"]
         view = views.get(name)
         ip = (pod.get("status") or {}).get("podIP")
-        if view is not None and view.ready and not view.deleting and ip:
+        if view is None or view.deleting or not ip:
+            continue
+        if view.ready == ready and (ready or view.phase == "Running"):
             targets.append((name, stats_url(ip, port)))
     return targets
 
@@ -92,13 +114,14 @@ class FleetWatchdog:
         self._holds: dict[str, str] = {}  # pod -> last hold reason reported (Events on change only)
         self._requests = 0  # API requests in the current cycle
         self._rss_series: set[str] = set()  # pods with a PROXY_RSS series
+        self._storage: dict[str, watchdog.StorageReport] = {}  # pod name -> its last storage report
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         self._requests += 1
         return await asyncio.to_thread(fn, *args)
 
     async def _call_api(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """For write_status: `fn(api, *args)`, counted."""
+        """For apply_status: `fn(api, *args)`, counted."""
         return await self._call(fn, self.api, *args)
 
     async def cycle(self, fleet: Fleet) -> None:
@@ -112,36 +135,45 @@ class FleetWatchdog:
     async def _cycle(self, polled: Fleet) -> None:
         """`polled`: the fleet as the loop last parsed it, which says what to poll; the decision
         takes the newest spec once it holds the lock."""
-        samples: dict[str, watchdog.Sample] = {}
-        if polled.proxy.memory.enabled:  # off: no polls, only the condition saying so
-            samples = await self._poll(polled)
+        polls = Polls()
+        if polled.proxy.memory.enabled:  # off: no polls, only the conditions saying so
+            polls = await self._poll(polled)
         async with self.lock:
             body = self.fleets.to_act_on(polled.namespace, polled.name)
             if body is None:  # gone, or an older spec than one already acted on
                 return
-            await self._decide_and_act(parse_fleet(body), samples)
-
-    async def _poll(self, fleet: Fleet) -> dict[str, watchdog.Sample]:
-        pods = self._owned_pods(fleet)
-        targets = poll_targets(pods, proxy_views(fleet, pods), fleet.proxy.port)
-        metrics.WATCHDOG_POLLS.labels(fleet.namespace, fleet.name).inc(len(targets))
-        return await poll_stats(
-            targets,
-            timeout_s=poll_timeout(fleet.proxy.memory.check_interval_s),
-            concurrency=POLL_CONCURRENCY,
-            session=self.http,
-        )
+            await self._decide_and_act(parse_fleet(body), polls)
 
     def _owned_pods(self, fleet: Fleet) -> list[dict[str, Any]]:
         """The fleet's own proxy pods from the watch cache (ownership.py: never another's)."""
         pods = self.owned.of_fleet(POD, fleet.namespace, fleet.name, "proxy")
         return [dict(pod) for pod in claim_proxy_pods(fleet, pods).owned]
 
-    async def _decide_and_act(self, fleet: Fleet, samples: dict[str, watchdog.Sample]) -> None:
+    async def _poll(self, fleet: Fleet) -> Polls:
+        pods = self._owned_pods(fleet)
+        views = proxy_views(fleet, pods)
+        targets = poll_targets(pods, views, fleet.proxy.port)
+        metrics.WATCHDOG_POLLS.labels(fleet.namespace, fleet.name).inc(len(targets))
+        not_ready = poll_targets(pods, views, fleet.proxy.port, ready=False)
+        polled = await poll_stats(
+            targets + not_ready,
+            timeout_s=poll_timeout(fleet.proxy.memory.check_interval_s),
+            concurrency=POLL_CONCURRENCY,
+            session=self.http,
+        )
+        return Polls(
+            samples={name: polled[name] for name, _ in targets if name in polled},
+            storage=polled,
+            uids={pod["metadata"]["name"]: pod["metadata"].get("uid", "") for pod in pods},
+        )
+
+    async def _decide_and_act(self, fleet: Fleet, polls: Polls) -> None:
         spec = fleet.proxy.memory
         metrics.PROXY_RSS_BUDGET.labels(fleet.namespace, fleet.name).set(spec.rss_budget_bytes)
-        pods = self._owned_pods(fleet) if spec.enabled else []
+        samples = polls.samples
+        self._storage = watchdog.storage_reports(self._storage, polls.storage, polls.uids)
         self._record_samples(fleet, samples)
+        pods = self._owned_pods(fleet) if spec.enabled else []
         now = self._clock()
         if not self._seeded:
             previous = self.fleets.get(fleet.namespace, fleet.name)
@@ -173,8 +205,8 @@ class FleetWatchdog:
             elif outcome == "refused":
                 decision = watchdog.refused(decision, restart.pod)
         metrics.PROXIES_IN_BACKOFF.labels(fleet.namespace, fleet.name).set(len(decision.in_backoff))
-        self._report_holds(fleet, by_name, decision, now)
-        await self._write_status(fleet, decision, restarts, samples)
+        await self._report_holds(fleet, by_name, decision, now)
+        await self._write_status(fleet, decision, restarts)
 
     def _record_samples(self, fleet: Fleet, samples: Mapping[str, watchdog.Sample]) -> None:
         for pod in self._rss_series - set(samples):  # no series for pods that are gone or not polled
@@ -200,13 +232,13 @@ class FleetWatchdog:
             return outcome
         message = watchdog.restart_message(restart, fleet.proxy.memory)
         log.info("fleet %s/%s: %s", fleet.namespace, fleet.name, message)
-        self.post_event(_fleet_ref(fleet), "Warning", "MemoryRestart", message)
-        self.post_event(_as_pod(pod), "Warning", "MemoryRestart", message)
+        await self.post_event(_fleet_ref(fleet), "Warning", "MemoryRestart", message)
+        await self.post_event(_as_pod(pod), "Warning", "MemoryRestart", message)
         metrics.MEMORY_RESTARTS.labels(fleet.namespace, fleet.name, "OverBudget").inc()
         metrics.PROXIES_DELETED.labels(fleet.namespace, fleet.name, "MemoryBudget").inc()
         return outcome
 
-    def _report_holds(
+    async def _report_holds(
         self, fleet: Fleet, pods: Mapping[str, dict[str, Any]], decision: watchdog.Decision, now: float
     ) -> None:
         """An Event when a proxy's hold reason changes (not every cycle of a long backoff)."""
@@ -220,9 +252,9 @@ class FleetWatchdog:
                     else f"MemoryRestart{hold.reason}"
                 )
                 kind = "Normal" if hold.reason == watchdog.DRY_RUN else "Warning"
-                self.post_event(_fleet_ref(fleet), kind, reason, message)
+                await self.post_event(_fleet_ref(fleet), kind, reason, message)
                 if pod in pods:
-                    self.post_event(_as_pod(pods[pod]), kind, reason, message)
+                    await self.post_event(_as_pod(pods[pod]), kind, reason, message)
                 if hold.reason == watchdog.DRY_RUN:
                     metrics.MEMORY_RESTARTS.labels(fleet.namespace, fleet.name, "DryRun").inc()
         self._holds = {pod: hold.reason for pod, hold in current.items()}
@@ -232,29 +264,27 @@ class FleetWatchdog:
         fleet: Fleet,
         decision: watchdog.Decision,
         restarts: list[tuple[watchdog.Restart, str]],
-        samples: Mapping[str, watchdog.Sample],
     ) -> None:
-        def update_for(current: dict[str, Any]) -> dict[str, Any]:
-            status = current.get("status") or {}
-            update: dict[str, Any] = {}
+        def owned_for(stored: Mapping[str, Any]) -> dict[str, Any]:
+            previous = stored.get("conditions") or []
             now = self._now_rfc3339()
-            conditions = watchdog.with_memory_condition(
-                status.get("conditions") or [], decision, now, fleet.generation
-            )
-            if decision.enabled:  # the polls that report storage are the watchdog's
-                conditions = set_condition(
-                    conditions, watchdog.storage_condition(samples, fleet.generation), now
-                )
-            if conditions != (status.get("conditions") or []):
-                update["conditions"] = conditions
-            memory_restarts = status.get("memoryRestarts")
+            storage = watchdog.storage_condition(self._storage, fleet.generation, enabled=decision.enabled)
+            owned: dict[str, Any] = {
+                "conditions": [
+                    condition_entry(watchdog.memory_condition(decision, fleet.generation), previous, now),
+                    condition_entry(storage, previous, now),
+                ]
+            }
+            memory_restarts = stored.get("memoryRestarts")
             for restart, stamp in restarts:
                 memory_restarts = watchdog.memory_restarts_status(memory_restarts, restart, stamp)
-            if memory_restarts != status.get("memoryRestarts"):
-                update["memoryRestarts"] = memory_restarts
-            return update
+            if memory_restarts is not None:  # applied every time: a field left out is given up
+                owned["memoryRestarts"] = memory_restarts
+            return owned
 
-        await write_status(self._call_api, self.fleets, fleet.namespace, fleet.name, update_for)
+        await apply_status(
+            self._call_api, self.fleets, fleet.namespace, fleet.name, WATCHDOG_MANAGER, owned_for
+        )
 
 
 def _as_pod(pod: dict[str, Any]) -> dict[str, Any]:

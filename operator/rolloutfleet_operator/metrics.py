@@ -51,6 +51,11 @@ FLEET_READY = Gauge(
     "1 while the fleet's Ready condition is True, set by each pass",
     FLEET,
 )
+FLEET_AVAILABLE = Gauge(
+    "rolloutfleet_operator_fleet_available",
+    "1 while the fleet's Available condition is True (enough proxies serve), set by each pass",
+    FLEET,
+)
 MEMORY_RESTARTS = Counter(
     "rolloutfleet_operator_memory_restarts_total",
     "Proxies restarted by the memory watchdog, by reason (OverBudget, DryRun for would-be restarts)",

@@ -7,6 +7,9 @@ with jitter after failures, and the client-side rate limit on API requests.
 - Backoff: after n failed rounds in a row the next waits `backoff_s(n)`, base * 2^(n-1) capped,
   and between half and all of that at random. A broken fleet (a refused child, API errors) is
   retried ever more rarely, and fleets failing together (the API server was away) spread out.
+- Refused creates: a proxy pod the API server refused to create (a quota, an admission webhook) is
+  tried again only after `backoff_s(n)` of its own, however many passes pod events run meanwhile;
+  until then the pass reports the last refusal without asking again (`Refused`).
 - Rate limit: every request takes a token from a bucket refilled at `qps` that holds at most
   `burst`. A burst of work (the operator starting beside 50 fleets, a roll of each) cannot
   flood the API server.
@@ -49,6 +52,24 @@ class PassSchedule:
         (never sooner than a resync); a pass asked for while this one ran stays due."""
         wait = resync_s if backoff_s is None else max(resync_s, backoff_s)
         return PassSchedule(min(self.due, now + wait))
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The last refusal of one request that is retried with backoff."""
+
+    failures: int  # in a row
+    not_before: float  # monotonic seconds: no retry earlier
+    message: str  # the API server's words, reported meanwhile
+
+    def waiting(self, now: float) -> bool:
+        return now < self.not_before
+
+
+def refused_again(previous: Refused | None, now: float, rand: float, message: str) -> Refused:
+    """The state after another refusal (`rand` in [0, 1) for the jitter)."""
+    failures = (previous.failures if previous is not None else 0) + 1
+    return Refused(failures, now + backoff_s(failures, rand), message)
 
 
 class TokenBucket:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .fleet import TEMPLATE_HASH_ANNOTATION
+from .pod_problems import PodProblem, pod_problem
 
 DOWN_PHASES = frozenset({"Failed", "Succeeded"})
 
@@ -53,6 +54,7 @@ class ProxyPodView:
     template_hash: str | None = None
     deleting: bool = False
     waiting_reason: str | None = None  # the proxy container's state.waiting.reason, if waiting
+    problem: PodProblem | None = None  # why it does not serve and will not without help (pod_problems.py)
     uid: str = ""
     node: str | None = None  # spec.nodeName: the node it is bound to, None before scheduling
     # metadata.deletionTimestamp as epoch seconds: when its grace period ends (None: not deleted)
@@ -115,6 +117,7 @@ def proxy_pod_view(pod: Mapping[str, Any], ordinal: int, container: str = "proxy
         template_hash=(metadata.get("annotations") or {}).get(TEMPLATE_HASH_ANNOTATION),
         deleting=metadata.get("deletionTimestamp") is not None,
         waiting_reason=waiting,
+        problem=pod_problem(pod),
         uid=metadata.get("uid") or "",
         node=(pod.get("spec") or {}).get("nodeName") or None,
         deletion_deadline=epoch_seconds(metadata.get("deletionTimestamp")),

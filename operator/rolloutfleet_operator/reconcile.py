@@ -4,7 +4,7 @@ Level-triggered: create, update, resume, a timer and pod events all run the same
 what exists from the watch caches (watch_cache.py), not from the API server, and writes only what
 differs: a child whose cached object already matches its desired manifest is not applied
 (desired_state.py), unwanted children are looked for only when the spec changed, the generated
-admin-key Secret is checked once per fleet, and status is patched only when it differs. So a pass
+admin-key Secret is checked once per fleet, and status is applied only when it differs. So a pass
 over a fleet at rest makes no API request at all. Every blocking API call runs in a worker thread.
 """
 
@@ -14,30 +14,35 @@ import asyncio
 import datetime
 import json
 import logging
+import random
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
 from . import metrics
-from .conditions import ObservedState, fleet_status, set_condition
+from .conditions import AVAILABLE, READY, ObservedState, condition_entry, deployment_available, fleet_status
 from .desired_state import apply_reason, with_desired_hash
 from .fleet import Fleet, engine_name, gateway_name, parse_fleet, selector_string
-from .kubeapi import STRATEGIC, KubeApi, fleet_path, resource_path
+from .kubeapi import STRATEGIC, KubeApi, resource_path
 from .lost_proxies import LostProxy, lost_condition, lost_proxies, nodes_to_check
 from .manifests.admin_key import admin_key_secret
 from .manifests.children import desired_children, unwanted_children
 from .manifests.proxy_pod import proxy_pod, template_hash
 from .ownership import ProxyClaim, adoption_patch, claim_proxy_pods, proxy_views
+from .pacing import Refused, refused_again
 from .plan import VOLUNTARY_DISRUPTIONS, Plan, ProxyPodView, plan_proxies, ready_pod_urls
+from .pod_problems import PodProblem, mount_failures, pod_problem, waiting_to_mount
+from .status_apply import RECONCILER_MANAGER, apply_status
 from .watch_cache import FleetStore, OwnedObjects
 
 log = logging.getLogger("rolloutfleet.operator")
 POD = ("v1", "Pod")
 DEPLOYMENT = ("apps/v1", "Deployment")
+MOUNT_EVENTS_SELECTOR = "involvedObject.kind=Pod,reason=FailedMount"
 
 
 def now_rfc3339() -> str:
@@ -59,50 +64,7 @@ class PassResult:
     stale: bool = False  # skipped: its spec was older than one already acted on
 
 
-Call = Callable[..., Awaitable[Any]]
-
-
-async def write_status(
-    call: Call, fleets: FleetStore, namespace: str, name: str, update_for: Callable[[dict[str, Any]], dict]
-) -> bool:
-    """Patch the fleet's status with `update_for(fleet as known)` unless that is empty; whether it
-    wrote. The fleet comes from the watch cache, and the patch carries its resourceVersion: if
-    another writer (the reconciler, the watchdog, a user) changed the fleet since, the API server
-    refuses it (409) and the update is decided again on the fleet as stored, so a stale cache never
-    writes back an old conditions list. The answer (the fleet as stored) goes into the cache."""
-    path = fleet_path(namespace, name)
-    current = fleets.get(namespace, name)
-    for attempt in range(2):
-        if current is None:
-            current = await call(_get, path)
-            if current is None:
-                return False  # deleted meanwhile: its children go with it
-        update = update_for(current)
-        if not update:
-            return False
-        body = {"metadata": {"resourceVersion": current["metadata"].get("resourceVersion")}, "status": update}
-        try:
-            stored = await call(_patch, path + "/status", body)
-        except ApiException as exc:
-            if exc.status != 409 or attempt:
-                raise
-            current = None
-            continue
-        if stored is not None:
-            fleets.put(stored)
-        return stored is not None
-    return False
-
-
-def _get(api: KubeApi, path: str) -> dict | None:
-    return api.get(path)
-
-
-def _patch(api: KubeApi, path: str, body: dict) -> dict | None:
-    return api.patch(path, body)
-
-
-async def fresh_proxy_pods(call: Call, api: KubeApi, fleet: Fleet) -> ProxyClaim:
+async def fresh_proxy_pods(call: Callable[..., Any], api: KubeApi, fleet: Fleet) -> ProxyClaim:
     """The fleet's proxy pods read from the API server now (a quorum read, not the watch cache):
     what a voluntary disruption (a roll step, a memory restart) is decided from, under the fleet's
     lock, so it counts the proxies down as they are, not as a lagging cache shows them."""
@@ -128,6 +90,9 @@ class Reconciler:
         self._admin_keys: dict[tuple[str, str], tuple[str, str]] = {}
         # (uid, generation) of the spec whose unwanted children were last removed, per fleet.
         self._pruned: dict[tuple[str, str], tuple[str, int]] = {}
+        # Proxy pods the API server refused to create, per (namespace, fleet, ordinal): retried
+        # with backoff (pacing.py), not on every pass a pod event runs.
+        self._refused: dict[tuple[str, str, int], Refused] = {}
         # Per fleet, the uids of the proxies reported lost (a ProxyLost Event once per pod).
         self._lost: dict[tuple[str, str], set[str]] = {}
 
@@ -142,12 +107,14 @@ class Reconciler:
         self._pruned.pop((namespace, name), None)
         self._admin_keys.pop((namespace, name), None)
         self._lost.pop((namespace, name), None)
+        for key in [k for k in self._refused if k[:2] == (namespace, name)]:
+            del self._refused[key]
 
     async def _call(self, fn, *args, **kwargs):
         return await asyncio.to_thread(fn, *args, **kwargs)
 
     async def _call_api(self, fn, *args):
-        """For write_status: `fn(api, *args)` in a worker thread."""
+        """For apply_status: `fn(api, *args)` in a worker thread."""
         return await asyncio.to_thread(fn, self.api, *args)
 
     async def reconcile(self, body: dict[str, Any]) -> PassResult:
@@ -187,7 +154,7 @@ class Reconciler:
         if self._pruned.get((fleet.namespace, fleet.name)) != spec and await self._prune(fleet, result):
             self._pruned[(fleet.namespace, fleet.name)] = spec
         views, lost = await self._reconcile_proxies(fleet, result)
-        observed = self._observe(fleet, views, result.failures)
+        observed = await self._observe(fleet, views, result.failures)
         still_lost = [p for p in lost if p not in result.force_deleted]
         for state, count in (
             ("desired", fleet.proxy.replicas),
@@ -196,21 +163,22 @@ class Reconciler:
         ):
             metrics.FLEET_PROXIES.labels(fleet.namespace, fleet.name, state).set(count)
 
-        def update_for(current: dict[str, Any]) -> dict[str, Any]:
-            # The status as stored, not as in the body this pass started from: the memory watchdog
-            # may have set its condition since, and the conditions list is written whole.
-            previous = current.get("status") or {}
+        def owned_for(stored: Mapping[str, Any]) -> dict[str, Any]:
             now = now_rfc3339()
-            status = fleet_status(fleet, observed, now, previous.get("conditions") or [])
-            status["conditions"] = set_condition(
-                status["conditions"], lost_condition(still_lost, fleet.generation), now
-            )
+            status = fleet_status(fleet, observed, now, stored.get("conditions") or [])
+            lost_now = lost_condition(still_lost, fleet.generation)
+            status["conditions"].append(condition_entry(lost_now, stored.get("conditions") or [], now))
             metrics.FLEET_READY.labels(fleet.namespace, fleet.name).set(
-                any(c["type"] == "Ready" and c["status"] == "True" for c in status["conditions"])
+                any(c["type"] == READY and c["status"] == "True" for c in status["conditions"])
             )
-            return status if _status_differs(previous, status) else {}
+            metrics.FLEET_AVAILABLE.labels(fleet.namespace, fleet.name).set(
+                any(c["type"] == AVAILABLE and c["status"] == "True" for c in status["conditions"])
+            )
+            return status
 
-        await write_status(self._call_api, self.fleets, fleet.namespace, fleet.name, update_for)
+        await apply_status(
+            self._call_api, self.fleets, fleet.namespace, fleet.name, RECONCILER_MANAGER, owned_for
+        )
         return result
 
     async def _prune(self, fleet: Fleet, result: PassResult) -> bool:
@@ -326,13 +294,21 @@ class Reconciler:
             if name in foreign:  # an earlier fleet's pod, or another controller's: wait until it is gone
                 failures.append(f"Pod/{name}: the name is held by a pod this fleet does not own")
                 continue
+            key = (fleet.namespace, fleet.name, ordinal)
+            refused = self._refused.get(key)
+            if refused is not None and refused.waiting(time.monotonic()):
+                failures.append(refused.message)  # still reported, not asked again yet
+                continue
             try:
                 created = await self._call(
                     self.api.create, resource_path("v1", "Pod", fleet.namespace), manifest
                 )
             except ApiException as exc:
-                failures.append(f"Pod/{name}: {_reason(exc)}")
+                message = f"Pod/{name}: {_reason(exc)}"
+                self._refused[key] = refused_again(refused, time.monotonic(), random.random(), message)
+                failures.append(message)
                 continue
+            self._refused.pop(key, None)
             if created is not None:
                 result.created.append(name)
                 metrics.CHILDREN_CREATED.labels(fleet.namespace, fleet.name, "Pod").inc()
@@ -362,19 +338,23 @@ class Reconciler:
         if plan.waiting:
             log.info("fleet %s/%s: %s", fleet.namespace, fleet.name, plan.waiting)
 
-    def _observe(self, fleet: Fleet, views: list[ProxyPodView], failures: list[str]) -> ObservedState:
+    async def _observe(self, fleet: Fleet, views: list[ProxyPodView], failures: list[str]) -> ObservedState:
         """What the status is computed from; the pods as they were when this pass planned (its own
         creations and deletions show in the next pass, which their watch events trigger)."""
         gateway = self.owned.get(DEPLOYMENT, fleet.namespace, fleet.name, gateway_name(fleet))
+        gateway_pods = self.owned.of_fleet(POD, fleet.namespace, fleet.name, "gateway")
         engines = None
+        engine_pods: list[dict[str, Any]] = []
         engine_endpoints = fleet.external_engine_urls
         if fleet.engines is not None:
             engines = self.owned.get(DEPLOYMENT, fleet.namespace, fleet.name, engine_name(fleet))
             engine_pods = self.owned.of_fleet(POD, fleet.namespace, fleet.name, "engine")
             engine_endpoints = tuple(ready_pod_urls(engine_pods, fleet.engines.port))
+        proxy_pods = self.owned.of_fleet(POD, fleet.namespace, fleet.name, "proxy")
+        mounts = await self._mount_failures(fleet, [*proxy_pods, *gateway_pods, *engine_pods])
         return ObservedState(
             desired_proxies=fleet.proxy.replicas,
-            proxies=tuple(views),
+            proxies=tuple(replace(v, problem=mounts.get(v.name, v.problem)) for v in views),
             current_hash=template_hash(fleet),
             gateway_ready=_ready(gateway),
             gateway_desired=fleet.gateway.replicas,
@@ -382,7 +362,39 @@ class Reconciler:
             engines_desired=None if fleet.engines is None else fleet.engines.replicas,
             create_failures=tuple(failures),
             engine_endpoints=tuple(engine_endpoints),
+            max_unavailable=fleet.proxy.memory.max_unavailable,
+            gateway_available=deployment_available(gateway),
+            gateway_problems=_problems(gateway_pods, mounts),
+            engine_problems=_problems(engine_pods, mounts),
         )
+
+    async def _mount_failures(self, fleet: Fleet, pods: list[dict[str, Any]]) -> dict[str, PodProblem]:
+        """The kubelet's FailedMount Events of pods that still wait for their volumes: one LIST of
+        the namespace's FailedMount Events, made only while such a pod exists (never at rest)."""
+        now = datetime.datetime.now(datetime.UTC)
+        waiting = [p["metadata"]["name"] for p in pods if waiting_to_mount(p, now)]
+        if not waiting:
+            return {}
+        try:
+            events = await self._call(
+                self.api.list, "v1", "Event", fleet.namespace, None, MOUNT_EVENTS_SELECTOR
+            )
+        except ApiException as exc:  # no cause is worse than a failed pass: the pods show as not ready
+            log.warning(
+                "fleet %s/%s: listing FailedMount Events: %s", fleet.namespace, fleet.name, _reason(exc)
+            )
+            return {}
+        return mount_failures(events, waiting)
+
+
+def _problems(pods: list[dict[str, Any]], mounts: Mapping[str, PodProblem]) -> tuple[PodProblem, ...]:
+    """Why these pods (a Deployment's) do not serve, by pod name."""
+    found = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        problem = mounts.get(pod["metadata"]["name"]) or pod_problem(pod)
+        if problem is not None:
+            found.append(problem)
+    return tuple(found)
 
 
 def _reason(exc: ApiException) -> str:
@@ -395,8 +407,3 @@ def _reason(exc: ApiException) -> str:
 
 def _ready(deployment: dict | None) -> int:
     return int(((deployment or {}).get("status") or {}).get("readyReplicas") or 0)
-
-
-def _status_differs(previous: dict[str, Any], new: dict[str, Any]) -> bool:
-    """Compare only the fields this pass writes (the watchdog owns others, e.g. memoryRestarts)."""
-    return any(previous.get(key) != value for key, value in new.items())

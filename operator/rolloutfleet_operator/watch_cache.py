@@ -8,9 +8,9 @@
   initial listing before it runs any handler, so the first pass after a start never sees an empty
   cluster that is not empty.
 
-A cache can lag the API server by a watch event. Where that matters, writes carry the
-resourceVersion they were computed from (status), or are idempotent (apply, create of a name,
-delete of a uid), so a stale read costs at most one refused or redundant request.
+A cache can lag the API server by a watch event. Writes are idempotent or scoped to what their
+writer owns (apply, status applied per field manager, create of a name, delete of a uid), so a
+stale read costs at most one redundant request.
 """
 
 from __future__ import annotations

@@ -464,13 +464,42 @@ def memory_condition(decision: Decision, generation: int = 0) -> Condition:
     return Condition(MEMORY_PRESSURE, "False", "WithinBudget", message, "", generation)
 
 
-def storage_condition(samples: Mapping[str, Sample], generation: int = 0) -> Condition:
-    """The fleet's StorageWritable condition from the proxies' own reports (their /stats `storage`):
-    False (CannotPersist) naming each proxy whose dump volume refuses writes and why (those proxies
-    refuse new sessions and turns with 503 until it recovers), True (Writable) otherwise, Unknown
-    (NotPolled) when no proxy answered."""
-    answered = {pod: s for pod, s in samples.items() if isinstance(s, RssSample)}
-    failing = sorted((pod, s.storage_error) for pod, s in answered.items() if s.storage_error)
+@dataclass(frozen=True)
+class StorageReport:
+    """What a proxy pod last said about its dump volume (its /stats `storage`)."""
+
+    uid: str  # the pod's: a replacement under the same name starts without a report
+    error: str | None  # why it cannot persist; None: it can
+
+
+def storage_reports(
+    previous: Mapping[str, StorageReport], samples: Mapping[str, Sample], uids: Mapping[str, str]
+) -> dict[str, StorageReport]:
+    """The last storage report of each existing pod (`uids`: pod name -> uid): this cycle's answer,
+    else the one kept from before for the same pod. A failed poll (a proxy busy, restarting) keeps
+    the last report; a pod that is gone or replaced drops it."""
+    reports = {}
+    for pod, uid in uids.items():
+        sample = samples.get(pod)
+        if isinstance(sample, RssSample):
+            reports[pod] = StorageReport(uid, sample.storage_error)
+        elif pod in previous and previous[pod].uid == uid:
+            reports[pod] = previous[pod]
+    return reports
+
+
+def storage_condition(
+    reports: Mapping[str, StorageReport], generation: int = 0, enabled: bool = True
+) -> Condition:
+    """The fleet's StorageWritable condition from the proxies' own reports (Ready or not: a proxy
+    that cannot write fails /readyz but still answers /stats): False (CannotPersist) naming each
+    proxy whose dump volume refuses writes and why (those proxies refuse new sessions and turns with
+    503 until it recovers), True (Writable) otherwise, Unknown (NotPolled) when no proxy has answered
+    yet, Unknown (WatchdogOff) when nothing is polled because the watchdog is off."""
+    if not enabled:
+        message = "no RSS budget: the memory watchdog is off and polls no proxy"
+        return Condition(STORAGE_WRITABLE, "Unknown", "WatchdogOff", message, "", generation)
+    failing = sorted((pod, r.error) for pod, r in reports.items() if r.error)
     if failing:
         items = [f"{pod} ({why})" for pod, why in failing]
         return Condition(
@@ -481,7 +510,7 @@ def storage_condition(samples: Mapping[str, Sample], generation: int = 0) -> Con
             "",
             generation,
         )
-    if not answered:
+    if not reports:
         return Condition(
             STORAGE_WRITABLE, "Unknown", "NotPolled", "no proxy answered a stats poll", "", generation
         )
@@ -489,7 +518,7 @@ def storage_condition(samples: Mapping[str, Sample], generation: int = 0) -> Con
         STORAGE_WRITABLE,
         "True",
         "Writable",
-        f"all {len(answered)} polled proxies can persist",
+        f"all {len(reports)} polled proxies can persist",
         "",
         generation,
     )

@@ -26,6 +26,7 @@ class RecordingApi:
         self.nodes: dict[str, dict] = {}  # name -> Node (absent: 404)
         self.pods: list[dict] | None = None  # what a LIST of pods answers (None: not expected)
         self.eviction_outcome = "evicted"  # what every eviction answers ("refused": HTTP 429)
+        self.refuse_pods = False
 
     def apply_reporting(self, obj: dict):
         self.calls.append(("apply", f"{obj['kind']}/{obj['metadata']['name']}"))
@@ -37,13 +38,22 @@ class RecordingApi:
             return copy.deepcopy(self.nodes.get(path.rsplit("/", 1)[-1]))
         return copy.deepcopy(self.fleet) if "rolloutfleets" in path else {"kind": "Secret"}
 
-    def list(self, api_version: str, kind: str, namespace: str, label_selector: str | None = None):
+    def list(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        label_selector: str | None = None,
+        field_selector: str | None = None,
+    ):
         self.calls.append(("list", kind))
         assert self.pods is not None, "a list nobody expected"
         return copy.deepcopy(self.pods)
 
     def create(self, path: str, body: dict):
         self.calls.append(("create", body["metadata"]["name"]))
+        if body["kind"] == "Pod" and self.refuse_pods:
+            raise ApiException(status=403, reason="Forbidden")
         return body
 
     def delete(self, path: str, body=None):
@@ -56,13 +66,22 @@ class RecordingApi:
         return self.eviction_outcome
 
     def patch(self, path: str, body: dict, content_type: str = ""):
-        if "/pods/" in path:  # adoption
-            self.calls.append(("adopt", path.rsplit("/", 1)[-1], body, content_type))
-            return {"metadata": {"name": path.rsplit("/", 1)[-1], **body["metadata"]}, "status": READY}
-        self.calls.append(("patch", path.rsplit("/", 1)[-1]))
-        if body["metadata"]["resourceVersion"] != self.fleet["metadata"]["resourceVersion"]:
-            raise ApiException(status=409, reason="Conflict")
-        self.fleet["status"] = {**(self.fleet.get("status") or {}), **body["status"]}
+        assert "/pods/" in path, "status goes out by server-side apply"  # the only patch: adoption
+        self.calls.append(("adopt", path.rsplit("/", 1)[-1], body, content_type))
+        return {"metadata": {"name": path.rsplit("/", 1)[-1], **body["metadata"]}, "status": READY}
+
+    def apply_status(self, obj: dict, field_manager: str):
+        """Server-side apply as the API server does it for these fields: scalars replaced, conditions
+        merged by type (the list-map key), the resourceVersion moved."""
+        self.calls.append(("apply-status", field_manager))
+        status = self.fleet.setdefault("status", {})
+        for key, value in obj["status"].items():
+            if key == "conditions":
+                applied = {c["type"]: c for c in value}
+                kept = [c for c in status.get("conditions") or [] if c["type"] not in applied]
+                status["conditions"] = kept + list(applied.values())
+            else:
+                status[key] = value
         self.fleet["metadata"]["resourceVersion"] = str(int(self.fleet["metadata"]["resourceVersion"]) + 1)
         return copy.deepcopy(self.fleet)
 

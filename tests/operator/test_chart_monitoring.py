@@ -254,7 +254,11 @@ def dashboard_queries(dashboard: dict) -> list[str]:
 def test_alerts_use_only_exported_metrics(rendered, proxy_metric_names):
     used = {name for rule in alert_rules(rendered) for name in metric_names(rule["expr"])}
     assert len(used) >= 15  # the extraction saw the rules
-    assert {"rolloutfleet_operator_fleet_ready", "rolloutfleet_proxy_storage_writable"} <= used
+    assert {
+        "rolloutfleet_operator_fleet_ready",
+        "rolloutfleet_operator_fleet_available",
+        "rolloutfleet_proxy_storage_writable",
+    } <= used
     exported = operator_metric_names() | proxy_metric_names
     assert not used - exported, f"rules query metrics nobody exports: {sorted(used - exported)}"
 
@@ -365,6 +369,7 @@ SCENARIO_VALUES = tuple(
     f"monitoring.rules.{key}={value}"
     for key, value in {
         "fleetNotReadyFor": "15m",
+        "fleetUnavailableFor": "5m",
         "reconcileErrorsFor": "15m",
         "pollFailureRatio": 0.2,
         "pollFailuresFor": "10m",
@@ -387,6 +392,8 @@ P1 = 'namespace="rl", fleet="f", pod="f-proxy-1"'  # a healthy one
 SERIES = [
     # operator
     (f"rolloutfleet_operator_fleet_ready{{{FLEET}}}", "0x30"),
+    (f"rolloutfleet_operator_fleet_available{{{FLEET}}}", "0x30"),
+    (f"rolloutfleet_operator_fleet_available{{{GONE}}}", "0x30"),
     (f"rolloutfleet_operator_reconcile_duration_seconds_count{{{FLEET}}}", "0+6x30"),
     (f"rolloutfleet_operator_fleet_ready{{{GONE}}}", "0x30"),
     (f"rolloutfleet_operator_reconcile_duration_seconds_count{{{GONE}}}", "40x30"),
@@ -434,6 +441,7 @@ P0_LABELS = {**FLEET_LABELS, "pod": "f-proxy-0"}
 # At minute 20, exactly these fire (each alert's own `for` has passed); the healthy proxy, the
 # deleted fleet and the restore failures of a proxy started long ago do not.
 EXPECTED_AT_20M = {
+    "RolloutFleetUnavailable": [FLEET_LABELS],
     "RolloutFleetNotReady": [FLEET_LABELS],
     "RolloutFleetReconcileErrors": [FLEET_LABELS],
     "RolloutFleetStatsPollFailures": [FLEET_LABELS],
@@ -501,11 +509,13 @@ def test_rule_values_reach_the_rules(helm):
         "monitoring.enabled=true",
         "monitoring.force=true",
         "monitoring.rules.fleetNotReadyFor=42m",
+        "monitoring.rules.fleetUnavailableFor=7m",
         "monitoring.rules.rssBudgetRatio=0.75",
         "monitoring.rules.exportBacklogTrajectories=123",
     )
     by_name = {rule["alert"]: rule for rule in alert_rules(docs)}
     assert by_name["RolloutFleetNotReady"]["for"] == "42m"
+    assert by_name["RolloutFleetUnavailable"]["for"] == "7m"
     assert (
         "0.75 * (rolloutfleet_operator_proxy_rss_budget_bytes > 0)"
         in by_name["RolloutFleetProxyRssNearBudget"]["expr"]

@@ -7,9 +7,9 @@ from typing import Any
 import pytest
 from fleet_samples import GPU, LATER, NOW, POD, SCHEMA, SVC, H, container, env_map, mutated, pod, pod_spec
 from rolloutfleet_operator.conditions import (
-    CRASHLOOP_RESTARTS,
     Condition,
     ObservedState,
+    deployment_available,
     fleet_conditions,
     fleet_status,
     set_condition,
@@ -18,7 +18,8 @@ from rolloutfleet_operator.fleet import parse_fleet, selector_string
 from rolloutfleet_operator.manifests.children import unwanted_children
 from rolloutfleet_operator.manifests.engines import engine_deployment
 from rolloutfleet_operator.manifests.proxy_pod import proxy_pod
-from rolloutfleet_operator.plan import ProxyPodView
+from rolloutfleet_operator.plan import ProxyPodView, proxy_pod_view
+from rolloutfleet_operator.pod_problems import CRASHLOOP_RESTARTS
 from rolloutfleet_proxy.settings import ENV
 
 
@@ -57,6 +58,22 @@ def observed(pods, desired=2, gateway=(1, 1), engines=(2, 2), **kw):
         engines_desired=engines[1] if engines else None,
         **kw,
     )
+
+
+def pod_from_api(ordinal: int, status: dict[str, Any]) -> ProxyPodView:
+    """The view the reconciler makes of a pod as the API returns it."""
+    body = {
+        "metadata": {"name": f"f-proxy-{ordinal}", "annotations": {"rolloutfleet.dev/template-hash": H}},
+        "status": status,
+    }
+    return proxy_pod_view(body, ordinal)
+
+
+def crash_looping(ordinal: int, restarts: int, waiting: str | None = None) -> ProxyPodView:
+    state = {"waiting": {"reason": waiting}} if waiting else {"running": {}}
+    entry = {"name": "proxy", "restartCount": restarts, "state": state}
+    entry["lastState"] = {"terminated": {"exitCode": 1, "reason": "Error"}}
+    return pod_from_api(ordinal, {"phase": "Running", "containerStatuses": [entry]})
 
 
 def by_type(conditions):
@@ -109,24 +126,17 @@ def statuses(conditions):
         ),
         (
             "crash loop",
-            observed(
-                [
-                    pod(0),
-                    ProxyPodView(
-                        "f-proxy-1",
-                        1,
-                        ready=False,
-                        phase="Running",
-                        restart_count=CRASHLOOP_RESTARTS,
-                        template_hash=H,
-                    ),
-                ]
-            ),
-            {"Ready": "False", "ReplicaFailure": "True", "Progressing": "True"},
+            observed([pod(0), crash_looping(1, CRASHLOOP_RESTARTS)]),
+            {"Ready": "False", "ReplicaFailure": "True", "Progressing": "True", "Available": "True"},
         ),
         (
             "failed pod",
-            observed([pod(0), pod(1, ready=False, phase="Failed")]),
+            observed(
+                [
+                    pod(0),
+                    pod_from_api(1, {"phase": "Failed", "reason": "Evicted", "message": "low on memory"}),
+                ]
+            ),
             {"Ready": "False", "ReplicaFailure": "True"},
         ),
         (
@@ -134,8 +144,15 @@ def statuses(conditions):
             observed(
                 [
                     pod(0),
-                    ProxyPodView(
-                        "f-proxy-1", 1, ready=True, phase="Running", restart_count=9, template_hash=H
+                    pod_from_api(
+                        1,
+                        {
+                            "phase": "Running",
+                            "conditions": [{"type": "Ready", "status": "True"}],
+                            "containerStatuses": [
+                                {"name": "proxy", "restartCount": 9, "state": {"running": {}}}
+                            ],
+                        },
                     ),
                 ]
             ),
@@ -160,6 +177,7 @@ def test_fleet_conditions(case, state, expected):
     assert {k: found[k] for k in expected} == expected, case
     assert set(found) == {
         "Ready",
+        "Available",
         "ProxiesReady",
         "GatewayReady",
         "EnginesReady",
@@ -172,34 +190,239 @@ def test_fleet_conditions(case, state, expected):
 
 
 def test_condition_reasons_and_messages():
-    crashing = ProxyPodView("f-proxy-1", 1, ready=False, restart_count=2, waiting_reason="CrashLoopBackOff")
+    crashing = crash_looping(1, 2, waiting="CrashLoopBackOff")
     conditions = by_type(fleet_conditions(observed([pod(0), crashing]), 1, NOW, []))
     assert conditions["ReplicaFailure"]["reason"] == "CrashLoop"
-    assert "f-proxy-1" in conditions["ReplicaFailure"]["message"]
+    assert "f-proxy-1: CrashLoop: last exit 1 (Error), 2 restarts" in conditions["ReplicaFailure"]["message"]
     assert conditions["Ready"]["reason"] == "ProxiesNotReady"
     assert "f-proxy-1" in conditions["ProxiesReady"]["message"]
     external = by_type(fleet_conditions(observed([pod(0), pod(1)], engines=None), 1, NOW, []))
     assert external["EnginesReady"]["reason"] == "NotManaged"
-    failed = by_type(fleet_conditions(observed([pod(0), pod(1, ready=False, phase="Failed")]), 1, NOW, []))
+    evicted = pod_from_api(1, {"phase": "Failed", "reason": "Evicted", "message": "low on memory"})
+    failed = by_type(fleet_conditions(observed([pod(0), evicted]), 1, NOW, []))
     assert failed["ReplicaFailure"]["reason"] == "PodFailed"
+    assert "f-proxy-1: PodFailed: Evicted: low on memory" in failed["ReplicaFailure"]["message"]
 
 
-def test_fleet_conditions_transitions_and_foreign_conditions():
+def test_fleet_conditions_keep_transition_times_and_return_only_their_types():
     watchdog = {
-        "type": "MemoryRestarting",
+        "type": "MemoryPressure",
         "status": "False",
         "reason": "WithinBudget",
         "lastTransitionTime": NOW,
     }
     starting = fleet_conditions(observed([pod(0), pod(1, ready=False)]), 1, NOW, [watchdog])
-    assert by_type(starting)["MemoryRestarting"] == watchdog
+    assert "MemoryPressure" not in by_type(starting)  # the watchdog's, applied by the watchdog
     # Same state later: nothing moves.
     assert fleet_conditions(observed([pod(0), pod(1, ready=False)]), 1, LATER, starting) == starting
     ready = by_type(fleet_conditions(observed([pod(0), pod(1)]), 2, LATER, starting))
     assert ready["Ready"]["status"] == "True" and ready["Ready"]["lastTransitionTime"] == LATER
     assert ready["GatewayReady"]["lastTransitionTime"] == NOW  # was True already
     assert ready["GatewayReady"]["observedGeneration"] == 2
-    assert ready["MemoryRestarting"] == watchdog
+
+
+UNSCHEDULABLE_CLAIM = {
+    "type": "PodScheduled",
+    "status": "False",
+    "reason": "Unschedulable",
+    # The scheduler's words (volumebinding's PreFilter, kube-scheduler 1.35).
+    "message": '0/2 nodes are available: persistentvolumeclaim "dumps" not found. preemption: 0/2 nodes are'
+    " available: 2 Preemption is not helpful for scheduling.",
+}
+
+
+def test_a_pod_pending_for_a_missing_claim_is_a_replica_failure_naming_the_claim():
+    pending = [pod_from_api(i, {"phase": "Pending", "conditions": [UNSCHEDULABLE_CLAIM]}) for i in (0, 1)]
+    conditions = by_type(fleet_conditions(observed(pending), 1, NOW, []))
+    failure = conditions["ReplicaFailure"]
+    assert (failure["status"], failure["reason"]) == ("True", "ClaimNotFound")
+    # Grouped by cause, the preemption note left out.
+    assert failure["message"] == (
+        "f-proxy-0, f-proxy-1: ClaimNotFound: "
+        '0/2 nodes are available: persistentvolumeclaim "dumps" not found.'
+    )
+    assert conditions["Ready"]["status"] == "False" and "ClaimNotFound" in conditions["Ready"]["message"]
+    assert conditions["Available"]["reason"] == "ProxiesUnavailable"
+
+
+@pytest.mark.parametrize(
+    ("status", "reason", "cause"),
+    [
+        (
+            {
+                "phase": "Pending",
+                "conditions": [
+                    {**UNSCHEDULABLE_CLAIM, "message": "0/2 nodes are available: 2 Insufficient cpu."}
+                ],
+            },
+            "Unschedulable",
+            "0/2 nodes are available: 2 Insufficient cpu.",
+        ),
+        (
+            {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {
+                        "name": "proxy",
+                        "image": "proxy:nope",
+                        "state": {
+                            "waiting": {
+                                "reason": "ImagePullBackOff",
+                                "message": 'Back-off pulling image "proxy:nope"',
+                            }
+                        },
+                    }
+                ],
+            },
+            "ImagePullFailed",
+            'cannot pull image "proxy:nope"',
+        ),
+        (
+            {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {
+                        "name": "proxy",
+                        "state": {"waiting": {"reason": "ErrImagePull", "message": "rpc error: not found"}},
+                    }
+                ],
+            },
+            "ImagePullFailed",
+            "rpc error: not found",
+        ),
+        (
+            {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {
+                        "name": "proxy",
+                        "state": {
+                            "waiting": {
+                                "reason": "CreateContainerConfigError",
+                                "message": 'secret "admin" not found',
+                            }
+                        },
+                    }
+                ],
+            },
+            "ContainerConfigError",
+            'secret "admin" not found',
+        ),
+    ],
+)
+def test_why_a_proxy_pod_does_not_start_is_in_replica_failure(status, reason, cause):
+    conditions = by_type(fleet_conditions(observed([pod(0), pod_from_api(1, status)]), 1, NOW, []))
+    assert conditions["ReplicaFailure"]["reason"] == reason
+    assert conditions["ReplicaFailure"]["message"] == f"f-proxy-1: {reason}: {cause}"
+
+
+def test_long_causes_and_many_pods_stay_bounded():
+    long = {**UNSCHEDULABLE_CLAIM, "message": "0/900 nodes are available: " + "x " * 500}
+    pods = [pod_from_api(i, {"phase": "Pending", "conditions": [long]}) for i in range(40)]
+    message = by_type(fleet_conditions(observed(pods, desired=40), 1, NOW, []))["ReplicaFailure"]["message"]
+    assert len(message) < 400 and message.count("f-proxy-") == 5 and "and 35 more" in message
+
+
+def test_gateway_and_engine_pods_say_why_they_do_not_serve():
+    from rolloutfleet_operator.pod_problems import PodProblem
+
+    state = observed(
+        [pod(0), pod(1)],
+        gateway=(0, 1),
+        engines=(0, 1),
+        gateway_problems=(PodProblem("f-gateway-x", "ImagePullFailed", 'cannot pull image "router:nope"'),),
+        engine_problems=(
+            PodProblem(
+                "f-engine-y", "Unschedulable", "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+            ),
+        ),
+    )
+    conditions = by_type(fleet_conditions(state, 1, NOW, []))
+    assert conditions["GatewayReady"]["reason"] == "ImagePullFailed"
+    assert (
+        'f-gateway-x: ImagePullFailed: cannot pull image "router:nope"'
+        in conditions["GatewayReady"]["message"]
+    )
+    assert conditions["EnginesReady"]["reason"] == "Unschedulable"
+    assert "nvidia.com/gpu" in conditions["Ready"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("case", "state", "available", "reason"),
+    [
+        ("all ready", observed([pod(0), pod(1), pod(2)], desired=3), "True", "MinimumProxiesAvailable"),
+        (
+            "a roll step",
+            observed([pod(0), pod(1, deleting=True), pod(2, hash_="old")], desired=3),
+            "True",
+            "MinimumProxiesAvailable",
+        ),
+        ("a memory restart", observed([pod(0), pod(2)], desired=3), "True", "MinimumProxiesAvailable"),
+        (
+            "two down of three",
+            observed([pod(0), pod(1, ready=False)], desired=3),
+            "False",
+            "ProxiesUnavailable",
+        ),
+        (
+            "two down of three, maxUnavailable 2",
+            observed([pod(0)], desired=3, max_unavailable=2),
+            "True",
+            "MinimumProxiesAvailable",
+        ),
+        (
+            "one proxy, down: maxUnavailable never means none",
+            observed([pod(0, ready=False)], desired=1),
+            "False",
+            "ProxiesUnavailable",
+        ),
+        (
+            "gateway unavailable",
+            observed([pod(0), pod(1)], gateway_available=False),
+            "False",
+            "GatewayUnavailable",
+        ),
+        (
+            "gateway rolling but available",
+            observed([pod(0), pod(1)], gateway=(0, 1), gateway_available=True),
+            "True",
+            "MinimumProxiesAvailable",
+        ),
+        ("scaled to zero", observed([], desired=0), "True", "MinimumProxiesAvailable"),
+    ],
+)
+def test_available_holds_while_enough_proxies_serve(case, state, available, reason):
+    condition = by_type(fleet_conditions(state, 1, NOW, []))["Available"]
+    assert (condition["status"], condition["reason"]) == (available, reason), case
+
+
+def test_the_gateway_is_available_by_its_deployment_s_own_condition():
+    assert deployment_available({"status": {"conditions": [{"type": "Available", "status": "True"}]}})
+    assert not deployment_available(
+        {"status": {"readyReplicas": 1, "conditions": [{"type": "Available", "status": "False"}]}}
+    )
+    assert deployment_available({"status": {"readyReplicas": 1}})  # before the controller's first word
+    assert not deployment_available(None)
+
+
+@pytest.mark.parametrize(
+    ("case", "state", "reason"),
+    [
+        ("a memory restart: terminating", observed([pod(0), pod(1, deleting=True)]), "Terminating"),
+        ("a memory restart: replacement not created yet", observed([pod(0)]), "CreatingProxies"),
+        (
+            "a memory restart: replacement starting",
+            observed([pod(0), pod(1, ready=False)]),
+            "WaitingForReady",
+        ),
+        ("a roll step", observed([pod(0, hash_="old"), pod(1, deleting=True)]), "RollingUpdate"),
+        ("the last roll step", observed([pod(0), pod(1, deleting=True, hash_="old")]), "RollingUpdate"),
+        ("scaling down", observed([pod(0), pod(1), pod(2)]), "ScalingDown"),
+        ("settled", observed([pod(0), pod(1)]), "Complete"),
+    ],
+)
+def test_progressing_says_what_really_happens(case, state, reason):
+    assert by_type(fleet_conditions(state, 1, NOW, []))["Progressing"]["reason"] == reason, case
 
 
 def test_fleet_status_counts_and_endpoints():
@@ -214,6 +437,7 @@ def test_fleet_status_counts_and_endpoints():
     status = fleet_status(GPU, state, NOW)
     assert status["observedGeneration"] == 3
     assert (status["replicas"], status["readyReplicas"], status["updatedReplicas"]) == (3, 2, 2)
+    assert status["readyOfDesired"] == "2/3"
     assert status["selector"] == selector_string(GPU, "proxy")
     assert status["gatewayUrl"] == "http://gpu-fleet-gateway.rl.svc:30080"
     assert status["proxyEndpoints"] == [

@@ -69,7 +69,7 @@ class Setup:
         self.lock = asyncio.Lock()
 
     def watchdog(self, http: aiohttp.ClientSession) -> FleetWatchdog:
-        def post_event(obj, type: str, reason: str, message: str) -> None:
+        async def post_event(obj, type: str, reason: str, message: str) -> None:
             self.events.append((obj["kind"], type, reason))
 
         owned = OwnedObjects(self.indexes)

@@ -19,9 +19,8 @@ from typing import Any, get_args
 import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
-from rolloutfleet_operator import metrics, watchdog
+from rolloutfleet_operator import metrics, pod_problems, watchdog
 from rolloutfleet_operator.conditions import (
-    CRASHLOOP_RESTARTS,
     FLEET_CONDITION_TYPES,
     ObservedState,
     fleet_conditions,
@@ -151,6 +150,10 @@ def pod(ordinal: int, ready: bool = True, **fields: Any) -> ProxyPodView:
     return ProxyPodView(name=f"f-proxy-{ordinal}", ordinal=ordinal, ready=ready, **fields)
 
 
+def problem(reason: str) -> pod_problems.PodProblem:
+    return pod_problems.PodProblem("f-x", reason, "why")
+
+
 def observed(desired: int, *pods: ProxyPodView, **fields: Any) -> ObservedState:
     fields.setdefault("gateway_ready", 1)
     return ObservedState(desired_proxies=desired, proxies=pods, current_hash="current", **fields)
@@ -169,9 +172,24 @@ FLEET_SCENARIOS = {
     "waiting for ready": observed(1, pod(0, ready=False)),
     "terminating": observed(1, pod(0), pod(1, deleting=True)),
     "failed pod": observed(1, pod(0, ready=False, phase="Failed")),
-    "crash loop": observed(1, pod(0, ready=False, waiting_reason="CrashLoopBackOff")),
-    "restarts": observed(1, pod(0, ready=False, restart_count=CRASHLOOP_RESTARTS)),
     "create refused, all else ready": observed(1, pod(0), create_failures=("Pod/f-proxy-1: denied",)),
+    "proxies unavailable": observed(3, pod(0)),
+    "gateway unavailable": observed(1, pod(0), gateway_available=False),
+    "being created": observed(2, pod(0), pod(1, deleting=True), pod(2)),
+    **{
+        f"a proxy pod: {reason}": observed(1, pod(0, ready=False, problem=problem(reason)))
+        for reason in pod_problems.PROBLEM_REASONS
+    },
+    **{
+        f"a gateway pod: {reason}": observed(1, pod(0), gateway_ready=0, gateway_problems=(problem(reason),))
+        for reason in pod_problems.PROBLEM_REASONS
+    },
+    **{
+        f"an engine pod: {reason}": observed(
+            1, pod(0), engines_ready=0, engines_desired=1, engine_problems=(problem(reason),)
+        )
+        for reason in pod_problems.PROBLEM_REASONS
+    },
 }
 
 SPEC = MemorySpec(
@@ -221,8 +239,10 @@ def produced_conditions() -> set[tuple[str, str]]:
         {"f-proxy-0": watchdog.RssSample(200, "OSError: [Errno 28] No space left on device")},
         {"f-proxy-0": watchdog.PollFailure("refused")},
     ):
-        condition = watchdog.storage_condition(samples)
-        pairs.add((condition.type, condition.reason))
+        reports = watchdog.storage_reports({}, samples, {"f-proxy-0": "uid"})
+        for enabled in (True, False):
+            condition = watchdog.storage_condition(reports, enabled=enabled)
+            pairs.add((condition.type, condition.reason))
     return pairs
 
 
@@ -245,6 +265,7 @@ def test_the_scenarios_reach_every_condition_the_code_writes():
     types = {t for t, _ in pairs}
     assert types == {*FLEET_CONDITION_TYPES, watchdog.MEMORY_PRESSURE, watchdog.STORAGE_WRITABLE}
     literals = literal_reasons(OPERATOR / "conditions.py") | literal_reasons(OPERATOR / "watchdog.py")
+    literals |= set(pod_problems.PROBLEM_REASONS)
     assert len(literals) >= 20
     unreached = literals - {r for _, r in pairs}
     assert not unreached, f"add a scenario to this test for the condition reasons {sorted(unreached)}"

@@ -1,10 +1,12 @@
 """The reconciler's requests (reconcile.py) against a recording stand-in for the API, with the
 watch caches filled as the API server would fill them: a pass over a fleet at rest makes none; a
 spec change applies only what it changed; unwanted children are looked for only after a spec
-change; the admin-key Secret is checked once; a status computed from a stale cache is decided
-again on the fleet as stored; a pass acts on the newest spec; pods are the fleet's by owner uid;
-a proxy lost with its node is reported and force-deleted after its timeout; a roll step is
-decided from the pods as the API server lists them."""
+change; the admin-key Secret is checked once; status goes out by server-side apply of the
+reconciler's own fields, so the watchdog's are never written over, and nothing is applied when the
+cached status already holds them (that the API server merges two field managers' conditions by
+type is checked against a real one: e2e/tests/test_kubeapi_apply.py); a pass acts on the newest
+spec; pods are the fleet's by owner uid; a proxy lost with its node is reported and force-deleted
+after its timeout; a roll step is decided from the pods as the API server lists them."""
 
 from __future__ import annotations
 
@@ -47,9 +49,9 @@ async def test_a_fleet_at_rest_costs_no_request(name):
     reconciler, api, _ = reconciler_for(body)
     await reconciler.reconcile(body)
     # The first pass: the admin-key Secret is checked once (minimal generates it), the status
-    # written once; no child is applied.
+    # applied once by the reconciler; no child is applied.
     assert [c for c in api.calls if c[0] == "apply"] == []
-    assert [c[0] for c in api.calls if c[0] == "patch"] == ["patch"]
+    assert [c for c in api.calls if c[0] == "apply-status"] == [("apply-status", "rolloutfleet-reconciler")]
     api.calls.clear()
     for _ in range(3):
         await reconciler.reconcile(body)
@@ -109,21 +111,36 @@ async def test_an_unwanted_child_of_another_owner_is_left_alone():
     assert [c for c in api.calls if c[0] == "delete"] == []
 
 
-async def test_a_status_decided_on_a_stale_cache_is_decided_again():
+async def test_the_status_applies_only_the_reconciler_s_fields_even_from_a_stale_cache():
     body = sample("gpu")
     reconciler, api, _ = reconciler_for(body)
     await reconciler.reconcile(body)
-    # Another writer (the memory watchdog) changed the fleet; the cache has not seen it yet.
-    api.fleet["status"]["conditions"] = [*api.fleet["status"]["conditions"], {"type": "MemoryPressure"}]
-    api.fleet["metadata"]["resourceVersion"] = "100"
+    applied = api.fleet["status"]
+    assert {c["type"] for c in applied["conditions"]} == {
+        "Ready",
+        "Available",
+        "ProxiesReady",
+        "GatewayReady",
+        "EnginesReady",
+        "Progressing",
+        "ReplicaFailure",
+        "ProxiesLost",
+    }
+    # The memory watchdog applied its fields meanwhile; the cache has not seen them yet.
+    api.fleet["status"]["conditions"].append({"type": "MemoryPressure", "status": "True"})
+    api.fleet["status"]["memoryRestarts"] = {"total": 1}
     stale = copy.deepcopy(api.fleet)
-    stale["metadata"]["resourceVersion"] = "99"
+    stale["status"]["conditions"] = [
+        c for c in stale["status"]["conditions"] if c["type"] != "MemoryPressure"
+    ]
     stale["status"]["readyReplicas"] = 0  # a value the pass will want to change
     reconciler.fleets.put(stale)
     api.calls.clear()
     await reconciler.reconcile(body)
-    assert [c[0] for c in api.calls] == ["patch", "get"]  # refused (409), read, and nothing to write
-    assert {"type": "MemoryPressure"} in api.fleet["status"]["conditions"]  # not written over
+    assert api.calls == [("apply-status", "rolloutfleet-reconciler")]  # no read before the write
+    assert {"type": "MemoryPressure", "status": "True"} in api.fleet["status"]["conditions"]
+    assert api.fleet["status"]["memoryRestarts"] == {"total": 1}
+    assert api.fleet["status"]["readyReplicas"] == parse_fleet(body).proxy.replicas
 
 
 async def test_the_admin_key_secret_is_checked_once_per_fleet():
@@ -136,6 +153,21 @@ async def test_the_admin_key_secret_is_checked_once_per_fleet():
     reconciler.forget("rl", body["metadata"]["name"])  # the fleet was deleted: a new one checks again
     await reconciler.reconcile(body)
     assert len([c for c in api.calls if c[0] == "get" and "/secrets/" in c[1]]) == 2
+
+
+async def test_a_refused_proxy_pod_is_retried_with_backoff_and_still_reported():
+    body = sample("minimal")
+    indexes = cluster_at_rest(body)
+    key = ("rl", body["metadata"]["name"])
+    indexes[("v1", "Pod")][key] = []  # no proxy pod yet
+    reconciler, api, _ = reconciler_for(body, indexes)
+    api.refuse_pods = True
+    results = [await reconciler.reconcile(body) for _ in range(3)]  # passes that pod events ask for
+    pod_creates = [c for c in api.calls if c[0] == "create" and "-proxy-" in c[1]]
+    assert len(pod_creates) == 1, "asked once; the next attempt waits for its backoff"
+    assert all(r.failures and "Pod/minimal-proxy-0" in r.failures[0] for r in results)
+    failure = next(c for c in api.fleet["status"]["conditions"] if c["type"] == "ReplicaFailure")
+    assert failure["reason"] == "FailedCreate" and "minimal-proxy-0" in failure["message"]
 
 
 async def test_a_pass_that_waited_for_the_lock_acts_on_the_newest_spec_and_a_late_one_is_skipped():

@@ -181,7 +181,7 @@ def test_stats_url():
 
 def test_a_proxy_that_cannot_persist_is_named_in_the_storage_condition():
     from rolloutfleet_operator.stats_poll import parse_stats
-    from rolloutfleet_operator.watchdog import PollFailure, RssSample, storage_condition
+    from rolloutfleet_operator.watchdog import PollFailure, RssSample, storage_condition, storage_reports
 
     failing = parse_stats(
         b'{"rss_bytes": 5, "storage": {"writable": false, '
@@ -190,9 +190,10 @@ def test_a_proxy_that_cannot_persist_is_named_in_the_storage_condition():
     healthy = parse_stats(b'{"rss_bytes": 7, "storage": {"writable": true, "reason": ""}}')
     assert failing == RssSample(5, "OSError: [Errno 30] Read-only file system")
     assert healthy == RssSample(7, None)
-    condition = storage_condition(
-        {"f-proxy-1": failing, "f-proxy-0": healthy, "f-proxy-2": PollFailure("HTTP 503")}
-    )
+    uids = {"f-proxy-0": "u0", "f-proxy-1": "u1", "f-proxy-2": "u2"}
+    samples = {"f-proxy-1": failing, "f-proxy-0": healthy, "f-proxy-2": PollFailure("HTTP 503")}
+    reports = storage_reports({}, samples, uids)
+    condition = storage_condition(reports)
     assert (condition.type, condition.status, condition.reason) == (
         "StorageWritable",
         "False",
@@ -200,5 +201,44 @@ def test_a_proxy_that_cannot_persist_is_named_in_the_storage_condition():
     )
     assert "f-proxy-1 (OSError: [Errno 30] Read-only file system)" in condition.message
     assert "f-proxy-0" not in condition.message
-    assert storage_condition({"f-proxy-0": healthy}).status == "True"
-    assert storage_condition({"f-proxy-0": PollFailure("refused")}).status == "Unknown"
+    assert storage_condition(storage_reports({}, {"f-proxy-0": healthy}, uids)).status == "True"
+    assert (
+        storage_condition(storage_reports({}, {"f-proxy-0": PollFailure("refused")}, uids)).status
+        == "Unknown"
+    )
+
+
+def test_a_proxy_that_cannot_persist_stays_reported_until_it_is_replaced():
+    """The unwritable proxy fails /readyz on purpose; a failed poll of it (busy, restarting) keeps
+    its last report, and only a new pod under its name starts afresh."""
+    from rolloutfleet_operator.watchdog import PollFailure, RssSample, storage_condition, storage_reports
+
+    broken = RssSample(5, "OSError: [Errno 28] No space left on device")
+    reports = storage_reports({}, {"f-proxy-0": broken}, {"f-proxy-0": "u0"})
+    reports = storage_reports(reports, {"f-proxy-0": PollFailure("no answer within 5s")}, {"f-proxy-0": "u0"})
+    assert storage_condition(reports).reason == "CannotPersist"
+    replaced = storage_reports(reports, {}, {"f-proxy-0": "u1"})
+    assert storage_condition(replaced).reason == "NotPolled"
+    assert storage_reports(reports, {}, {}) == {}  # gone
+    off = storage_condition(reports, enabled=False)
+    assert (off.status, off.reason) == ("Unknown", "WatchdogOff")
+
+
+def test_running_proxies_that_are_not_ready_are_polled_for_storage_only():
+    from rolloutfleet_operator.memory_watchdog import poll_targets
+    from rolloutfleet_operator.plan import proxy_pod_view
+
+    def pod(name: str, ready: bool, phase: str = "Running", ip: str | None = "10.0.0.1", deleting=False):
+        meta = {"name": name, **({"deletionTimestamp": "2026-01-01T00:00:00Z"} if deleting else {})}
+        conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+        return {"metadata": meta, "status": {"phase": phase, "podIP": ip, "conditions": conditions}}
+
+    pods = [
+        pod("f-proxy-0", True),
+        pod("f-proxy-1", False),  # e.g. its volume refuses writes: fails /readyz, answers /stats
+        pod("f-proxy-2", False, phase="Pending", ip=None),
+        pod("f-proxy-3", True, deleting=True),
+    ]
+    views = {p["metadata"]["name"]: proxy_pod_view(p, i) for i, p in enumerate(pods)}
+    assert [name for name, _ in poll_targets(pods, views, 8000)] == ["f-proxy-0"]
+    assert [name for name, _ in poll_targets(pods, views, 8000, ready=False)] == ["f-proxy-1"]

@@ -54,9 +54,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [rbac.authorization.k8s.io]
   resources: [roles, rolebindings]
   verbs: [get, list, watch, create, patch, update, delete]
+# Events: posted and counted (patch); listed only while a pod waits for its volumes, to say why (FailedMount).
 - apiGroups: ["", events.k8s.io]
   resources: [events]
-  verbs: [create, patch]
+  verbs: [create, patch, list]
 {{- end -}}
 
 {{/* The operator's NetworkPolicy settings (ROLLOUTFLEET_NETWORK_POLICY): compact JSON. */}}
