@@ -30,6 +30,14 @@ def available(pod: dict) -> bool:
     return is_ready(pod) and not pod["metadata"].get("deletionTimestamp")
 
 
+def all_replaced_and_available(pods: dict[str, dict], before: dict[str, str]) -> bool:
+    """Every pod named in `before` (name -> uid) exists again under a new uid and is available."""
+    return all(
+        name in pods and pods[name]["metadata"]["uid"] != uid and available(pods[name])
+        for name, uid in before.items()
+    )
+
+
 class FleetWatch:
     """Follows the fleet's proxy pods through a watch (every change the API server makes, in order,
     not samples): after each event, how many of `replicas` are not available (missing, not Ready

@@ -21,7 +21,7 @@ import time
 
 import httpx
 import pytest
-from fleet_watch import FleetWatch, available, proxy_pods
+from fleet_watch import FleetWatch, all_replaced_and_available, available, proxy_pods
 from operator_install import installed_operator
 from rolloutfleet_operator import watchdog
 from rolloutfleet_testkit import fleet_setup
@@ -166,11 +166,7 @@ def test_over_budget_proxies_are_replaced_one_at_a_time_without_losing_a_turn(
         with FleetWatch(cluster, NAMESPACE, FLEET, REPLICAS) as watch:
             set_budget(cluster, budget, cooldown_s=60, max_cooldown_s=120)  # once each here
             wait_for(
-                lambda: (
-                    (pods := proxies(cluster))
-                    and all(n in pods and pods[n]["metadata"]["uid"] != uids[n] for n in uids)
-                    and all(available(pods[n]) for n in uids)
-                ),
+                lambda: all_replaced_and_available(proxies(cluster), uids),
                 timeout_s=240,
                 what="every over-budget proxy replaced and Ready",
                 interval_s=1,
@@ -391,16 +387,11 @@ def test_max_unavailable_bounds_the_restarts_in_flight(
         cluster, name, replicas, {"maxUnavailable": 2}, engine_url, test_tokenizer_dir, tmp_path
     )
     before = uids(cluster, name)
-    wanted = sorted(before)
     with FleetWatch(cluster, NAMESPACE, name, replicas) as watch:
         for url in urls_by_pod.values():
             standin_control(url, rss_bytes=OVER_BUDGET)
         wait_for(
-            lambda: (
-                (pods := proxy_pods(cluster, NAMESPACE, name))
-                and all(n in pods and pods[n]["metadata"]["uid"] != before[n] for n in wanted)
-                and all(available(pods[n]) for n in wanted)
-            ),
+            lambda: all_replaced_and_available(proxy_pods(cluster, NAMESPACE, name), before),
             timeout_s=90,
             what="all 4 over-budget proxies replaced and Ready",
             interval_s=0.5,

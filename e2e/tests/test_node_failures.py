@@ -18,7 +18,7 @@ import time
 
 import httpx
 import pytest
-from fleet_watch import FleetWatch, available, proxy_pods
+from fleet_watch import FleetWatch, all_replaced_and_available, available, proxy_pods
 from operator_install import installed_operator
 from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.processes import serve_app
@@ -119,6 +119,16 @@ def start_standin_fleet(
     )
 
 
+# Every proxy restarted once at most (a long cooldown), one at a time, two samples over budget.
+MEMORY = {
+    "rssBudgetBytes": BUDGET,
+    "checkIntervalSeconds": 1,
+    "consecutiveSamples": 2,
+    "maxUnavailable": 1,
+    "cooldownSeconds": 600,
+}
+
+
 def on_node(pods: dict[str, dict], node: str) -> list[str]:
     return sorted(name for name, pod in pods.items() if pod["spec"].get("nodeName") == node)
 
@@ -127,15 +137,8 @@ def test_a_drain_during_memory_restarts_never_exceeds_max_unavailable(
     cluster, operator_namespace, test_tokenizer_dir, tmp_path, engine_url
 ):
     name, replicas = "drain", 4
-    memory = {
-        "rssBudgetBytes": BUDGET,
-        "checkIntervalSeconds": 1,
-        "consecutiveSamples": 2,
-        "maxUnavailable": 1,
-        "cooldownSeconds": 600,
-    }
     pods = start_standin_fleet(
-        cluster, name, replicas, engine_url, test_tokenizer_dir, tmp_path, memory=memory
+        cluster, name, replicas, engine_url, test_tokenizer_dir, tmp_path, memory=MEMORY
     )
     drained = on_node(pods, GPU_NODE)
     assert len(drained) == 2, {n: p["spec"].get("nodeName") for n, p in pods.items()}  # 2 per node
@@ -162,11 +165,7 @@ def test_a_drain_during_memory_restarts_never_exceeds_max_unavailable(
             drainer.join(300)
             # Then the memory restarts go on until every original proxy is replaced and Ready.
             wait_for(
-                lambda: (
-                    (now := proxy_pods(cluster, NAMESPACE, name))
-                    and all(n in now and now[n]["metadata"]["uid"] != before[n] for n in before)
-                    and all(available(now[n]) for n in before)
-                ),
+                lambda: all_replaced_and_available(proxy_pods(cluster, NAMESPACE, name), before),
                 timeout_s=180,
                 what="every proxy replaced (drained or restarted for memory) and Ready",
                 interval_s=1,
@@ -192,13 +191,6 @@ def test_a_proxy_whose_node_stops_is_replaced_and_memory_restarts_of_the_others_
     from rolloutfleet_testkit.node.cluster import start_kubelet, stop_kubelet
 
     name, timeout_s = "lost", 30
-    memory = {
-        "rssBudgetBytes": BUDGET,
-        "checkIntervalSeconds": 1,
-        "consecutiveSamples": 2,
-        "maxUnavailable": 1,
-        "cooldownSeconds": 600,
-    }
     # The node lifecycle controller evicts pods of a lost node after their toleration of its taints
     # (300 s by default): 2 s here, so the pod is deleted soon and then stuck terminating.
     lost_node_tolerations = [
@@ -212,7 +204,7 @@ def test_a_proxy_whose_node_stops_is_replaced_and_memory_restarts_of_the_others_
         engine_url,
         test_tokenizer_dir,
         tmp_path,
-        memory=memory,
+        memory=MEMORY,
         lostProxyTimeoutSeconds=timeout_s,
         tolerations=lost_node_tolerations,
     )

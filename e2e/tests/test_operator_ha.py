@@ -26,22 +26,22 @@ NAMESPACE, RELEASE = "operator-ha", "rfha"
 LEASE = f"{RELEASE}-rolloutfleet-operator"  # the chart names the Lease after the release
 
 
-def get(cluster, *what: str) -> dict:
-    return json.loads(cluster.kubectl("get", *what, "-n", NAMESPACE, "-o", "json").stdout)
+def get(cluster, *what: str, namespace: str = NAMESPACE) -> dict:
+    return json.loads(cluster.kubectl("get", *what, "-n", namespace, "-o", "json").stdout)
 
 
-def operator_pods(cluster) -> dict[str, dict]:
-    pods = get(cluster, "pods", "-l", "app.kubernetes.io/name=rolloutfleet-operator")["items"]
-    return {p["metadata"]["name"]: p for p in pods if not p["metadata"].get("deletionTimestamp")}
+def operator_pods(cluster, namespace: str = NAMESPACE) -> dict[str, dict]:
+    pods = get(cluster, "pods", "-l", "app.kubernetes.io/name=rolloutfleet-operator", namespace=namespace)
+    return {p["metadata"]["name"]: p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")}
 
 
-def holder(cluster) -> str | None:
-    result = cluster.kubectl("get", "lease", LEASE, "-n", NAMESPACE, "-o", "json", check=False)
+def holder(cluster, namespace: str = NAMESPACE, lease: str = LEASE) -> str | None:
+    result = cluster.kubectl("get", "lease", lease, "-n", namespace, "-o", "json", check=False)
     return json.loads(result.stdout)["spec"].get("holderIdentity") if result.returncode == 0 else None
 
 
-def fleet_ready(cluster, replicas: int) -> bool:
-    return fleet_setup.fleet_ready(get(cluster, "rf", "ha").get("status", {}), replicas)
+def fleet_ready(cluster, replicas: int, name: str = "ha", namespace: str = NAMESPACE) -> bool:
+    return fleet_setup.fleet_ready(get(cluster, "rf", name, namespace=namespace).get("status", {}), replicas)
 
 
 def test_the_standby_takes_over_when_the_leader_is_killed(cluster, test_tokenizer_dir):
@@ -165,30 +165,24 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
         )
     namespace = STALL_NAMESPACE
 
-    def get_(*what: str) -> dict:
-        return json.loads(cluster.kubectl("get", *what, "-n", namespace, "-o", "json").stdout)
-
-    def holder_() -> str | None:
-        result = cluster.kubectl("get", "lease", STALL_LEASE, "-n", namespace, "-o", "json", check=False)
-        return json.loads(result.stdout)["spec"].get("holderIdentity") if result.returncode == 0 else None
-
-    def ready(replicas: int) -> bool:
-        return fleet_setup.fleet_ready(get_("rf", "stall").get("status", {}), replicas)
-
     with (
         installed_operator(cluster, namespace, STALL_RELEASE, extra={"replicaCount": "2"}),
         serve_app(create_engine_app(str(test_tokenizer_dir), seed=0), host=cluster.host_ip) as engine_url,
     ):
-        leader = wait_for(holder_, timeout_s=60, what="a replica to hold the Lease")
-        pods = {
-            p["metadata"]["name"]: p
-            for p in get_("pods", "-l", "app.kubernetes.io/name=rolloutfleet-operator")["items"]
-        }
+        leader = wait_for(
+            lambda: holder(cluster, namespace, STALL_LEASE), timeout_s=60, what="a replica to hold the Lease"
+        )
+        pods = operator_pods(cluster, namespace)
         (standby,) = set(pods) - {leader}
         leader_ip, standby_ip = pods[leader]["status"]["podIP"], pods[standby]["status"]["podIP"]
         fleet = fleet_setup.external_fleet("stall", namespace, test_tokenizer_dir, engine_url, replicas=1)
         cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
-        wait_for(lambda: ready(1), timeout_s=120, what="the fleet Ready", interval_s=1)
+        wait_for(
+            lambda: fleet_ready(cluster, 1, "stall", namespace),
+            timeout_s=120,
+            what="the fleet Ready",
+            interval_s=1,
+        )
 
         pid = pod_process(leader)
         host, port = api_address(pid)
@@ -202,7 +196,7 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
             try:
                 cluster.kubectl("scale", "rf/stall", "-n", namespace, "--replicas=2")
                 successor = wait_for(
-                    lambda: (name := holder_()) not in (None, leader) and name,
+                    lambda: (name := holder(cluster, namespace, STALL_LEASE)) not in (None, leader) and name,
                     timeout_s=60,
                     what="the standby to take the Lease",
                     interval_s=0.5,
@@ -213,13 +207,18 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
                 )
                 assert successor == standby
                 wait_for(
-                    lambda: ready(2), timeout_s=120, what="the new leader to scale the fleet", interval_s=1
+                    lambda: fleet_ready(cluster, 2, "stall", namespace),
+                    timeout_s=120,
+                    what="the new leader to scale the fleet",
+                    interval_s=1,
                 )
                 # The old leader exits when it cannot renew (its container restarts, as a standby).
                 wait_for(
                     lambda: any(
                         s.get("restartCount", 0) >= 1
-                        for s in get_("pod", leader)["status"].get("containerStatuses", [])
+                        for s in get(cluster, "pod", leader, namespace=namespace)["status"].get(
+                            "containerStatuses", []
+                        )
                     ),
                     timeout_s=60,
                     what="the stalled leader to exit",
@@ -230,7 +229,7 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
             os.close(netns_fd)
         # Its traffic flows again: anything it had queued now reaches the API server.
         time.sleep(20)
-        assert holder_() == successor
+        assert holder(cluster, namespace, STALL_LEASE) == successor
         previous = cluster.kubectl("logs", leader, "-n", namespace, "--previous", check=False).stdout
         assert "leadership lost" in previous, previous[-2000:]
 
