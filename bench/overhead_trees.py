@@ -9,7 +9,8 @@ measured on the same machine minutes apart, before/after/before/after. The runs 
 one result (`bench/results/overhead_trees.json`) and plot (`docs/img/overhead-trees.png`).
 
 The before checkout's own `bench/results/overhead-<family>.json` and plot are overwritten by its
-runs (it is a throwaway worktree); this checkout's per-round file is removed once read.
+runs (it is a throwaway worktree); this checkout's per-round file is removed once read (or put back
+as it was, when it is a recorded result: `--workload linear` writes the overhead benchmark's own).
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def main() -> None:
         ):
             time.sleep(args.pause_s)
             load = os.getloadavg()
+            leftovers = (ROOT / "bench" / "results" / f"{name}.json", IMAGES / f"{name}.png")
+            kept = {path: path.read_bytes() for path in leftovers if code == "after" and path.exists()}
             result = run_overhead(checkout, [*common, *extra], name)
             sides.append({"round": round_, "code": code, "command": result["command"], "load_average": load})
             for run in result["runs"]:
@@ -123,9 +126,12 @@ def main() -> None:
                         "load_average_1m_at_start": result["load_average_1m_at_start"],
                     }
                 )
-            if code == "after":
-                for leftover in (ROOT / "bench" / "results" / f"{name}.json", IMAGES / f"{name}.png"):
-                    leftover.unlink(missing_ok=True)
+            if code == "after":  # this checkout's per-round files go; a recorded one is put back
+                for leftover in leftovers:
+                    if leftover in kept:
+                        leftover.write_bytes(kept[leftover])
+                    else:
+                        leftover.unlink(missing_ok=True)
     summary = summarize(runs)
     for row in summary:
         progress(

@@ -472,8 +472,8 @@ def test_a_fleet_with_a_missing_claim_says_so_in_its_conditions_within_one_pass(
     cluster, operator, test_tokenizer_dir
 ):
     """The scheduler refuses a pod whose claim does not exist (PodScheduled False, Unschedulable:
-    `persistentvolumeclaim "x" not found`); the next pass (a 10 s resync) names the claim and the
-    pod in ReplicaFailure and Ready, and Available is False."""
+    `persistentvolumeclaim "x" not found`); the pass that pod event runs at once (not the next 10 s
+    resync) names the claim and the pod in ReplicaFailure and Ready, and Available is False."""
     namespace = operator.namespace
     claim = {"persistentVolumeClaim": {"claimName": "no-such-claim"}}
     fleet = fleet_setup.external_fleet(

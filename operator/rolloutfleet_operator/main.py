@@ -23,7 +23,7 @@ from .leadership import Election, Leadership, LeaseClient, StandbyHealth, wait_f
 from .lost_proxies import force_delete_message, lost_message
 from .memory_watchdog import FleetWatchdog
 from .pacing import TokenBucket
-from .plan import is_ready, pod_event_needs_pass
+from .plan import PodSignal, pod_event_needs_pass, pod_signal
 from .reconcile import Reconciler
 from .watch_cache import CACHED_KINDS, OWNED_LABELS, FleetStore, KindKey, OwnedObjects, by_fleet, index_id
 
@@ -38,7 +38,7 @@ log = logging.getLogger("rolloutfleet.operator")
 _reconciler: Reconciler | None = None
 _events: EventRecorder | None = None
 _loops: FleetLoops | None = None
-_pod_readiness: dict[str, bool] = {}  # proxy pod uid -> Ready as last seen
+_pod_signals: dict[str, PodSignal] = {}  # proxy pod uid -> its signal as last seen
 # Watching listed namespaces only: kopf need not (and, least-privileged, cannot) list namespaces.
 _static_namespaces = False
 _api_rate = (API_QPS, API_BURST)
@@ -144,16 +144,16 @@ async def on_change(body: kopf.Body, **_) -> None:
 
 @kopf.on.event("", "v1", "pods", labels=WATCHED_POD_LABELS)
 async def on_proxy_pod_event(event: kopf.RawEvent, body: kopf.Body, **_) -> None:
-    """A proxy pod that is gone or failed is replaced now, and a readiness change is reflected now
-    (status, rolls), not at the next periodic pass: the fleet's loop runs a pass at once, one for
-    a burst of such events (fleet_loop.py)."""
+    """A proxy pod that is gone or failed is replaced now, and a change of its readiness or of why it
+    is stuck is reflected now (status, rolls), not at the next periodic pass: the fleet's loop runs
+    a pass at once, one for a burst of such events (fleet_loop.py)."""
     uid = body["metadata"]["uid"]
-    was_ready = _pod_readiness.get(uid)
+    seen = _pod_signals.get(uid)
     if event.get("type") == "DELETED":
-        _pod_readiness.pop(uid, None)
+        _pod_signals.pop(uid, None)
     else:
-        _pod_readiness[uid] = is_ready(body)
-    if not pod_event_needs_pass(event.get("type"), body, was_ready):
+        _pod_signals[uid] = pod_signal(body)
+    if not pod_event_needs_pass(event.get("type"), body, seen):
         return
     assert _loops is not None
     fleet_name = (body["metadata"].get("labels") or {}).get(FLEET_LABEL)

@@ -70,14 +70,25 @@ class ProxyPodView:
         return not self.deleting and not self.down
 
 
-def pod_event_needs_pass(event_type: str | None, pod: Mapping[str, Any], was_ready: bool | None) -> bool:
+# What of a proxy pod its fleet's status and rolls depend on: whether it is Ready, and the reason it
+# is stuck (pod_problems: Unschedulable, ClaimNotFound, ImagePullFailed...), or None.
+PodSignal = tuple[bool, str | None]
+
+
+def pod_signal(pod: Mapping[str, Any]) -> PodSignal:
+    problem = pod_problem(pod)
+    return is_ready(pod), problem.reason if problem else None
+
+
+def pod_event_needs_pass(event_type: str | None, pod: Mapping[str, Any], seen: PodSignal | None) -> bool:
     """Whether a proxy pod's watch event should run its fleet's pass at once rather than at the next
-    periodic one: the pod is gone or Failed (replace it now), or its readiness changed (a roll
-    waits for it, and the status should say so). `was_ready` is the readiness last seen for this
-    pod (None: never seen, e.g. the operator's first listing, which the resume pass covers)."""
+    periodic one: the pod is gone or Failed (replace it now), or its readiness or the reason it is
+    stuck changed (a roll waits for it; the status should say so within a pass, not a resync later).
+    `seen` is the pod's signal when last seen (None: never seen, e.g. the operator's first listing,
+    which the resume pass covers)."""
     if event_type == "DELETED" or (pod.get("status") or {}).get("phase") == "Failed":
         return True
-    return was_ready is not None and is_ready(pod) != was_ready
+    return seen is not None and pod_signal(pod) != seen
 
 
 def is_ready(pod: Mapping[str, Any]) -> bool:

@@ -508,19 +508,34 @@ def _pod_with(ready: bool, phase: str = "Running") -> dict[str, Any]:
     return {"metadata": {"name": "p"}, "status": {"phase": phase, "conditions": [condition]}}
 
 
+def _unschedulable_pod(message: str) -> dict[str, Any]:
+    pod = _pod_with(False, "Pending")
+    scheduled = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": message}
+    pod["status"]["conditions"].append(scheduled)
+    return pod
+
+
+NO_GPU = "0/2 nodes are available: 2 Insufficient nvidia.com/gpu."
+NO_CLAIM = 'persistentvolumeclaim "dumps" not found'
+
+
 @pytest.mark.parametrize(
-    ("event_type", "pod", "was_ready", "needed"),
+    ("event_type", "pod", "seen", "needed"),
     [
-        ("DELETED", _pod_with(True), True, True),
-        ("MODIFIED", _pod_with(False, "Failed"), False, True),
-        ("MODIFIED", _pod_with(True), False, True),  # became Ready: a roll may go on
-        ("MODIFIED", _pod_with(False), True, True),  # lost readiness: the status should say so
-        ("MODIFIED", _pod_with(True), True, False),  # nothing that matters changed
+        ("DELETED", _pod_with(True), (True, None), True),
+        ("MODIFIED", _pod_with(False, "Failed"), (False, None), True),
+        ("MODIFIED", _pod_with(True), (False, None), True),  # became Ready: a roll may go on
+        ("MODIFIED", _pod_with(False), (True, None), True),  # lost readiness: the status should say so
+        ("MODIFIED", _pod_with(True), (True, None), False),  # nothing that matters changed
         (None, _pod_with(True), None, False),  # the first listing: the resume pass covers it
         ("ADDED", _pod_with(False, "Pending"), None, False),
+        # The scheduler gave up on it: the conditions should say why within a pass.
+        ("MODIFIED", _unschedulable_pod(NO_GPU), (False, None), True),
+        ("MODIFIED", _unschedulable_pod(NO_CLAIM), (False, "Unschedulable"), True),  # another cause
+        ("MODIFIED", _unschedulable_pod(NO_GPU), (False, "Unschedulable"), False),  # the same again
     ],
 )
-def test_pod_event_needs_pass(event_type, pod, was_ready, needed):
+def test_pod_event_needs_pass(event_type, pod, seen, needed):
     from rolloutfleet_operator.plan import pod_event_needs_pass
 
-    assert pod_event_needs_pass(event_type, pod, was_ready) is needed
+    assert pod_event_needs_pass(event_type, pod, seen) is needed

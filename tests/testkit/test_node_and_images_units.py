@@ -74,6 +74,10 @@ def test_kubelet_config_and_args(tmp_path):
     assert kubelet["clusterDNS"] == [config.CLUSTER_DNS_IP] and kubelet["address"] == config.BRIDGE_IP
     assert kubelet["authentication"]["anonymous"] == {"enabled": False}
     assert kubelet["containerRuntimeEndpoint"] == f"unix://{dirs.socket}"
+    # No disk threshold on (one crossed deletes every unused image: the pause image between pods).
+    disk = {k: v for k, v in kubelet["evictionHard"].items() if k.startswith(("nodefs", "imagefs"))}
+    assert set(disk) == {"nodefs.available", "nodefs.inodesFree", "imagefs.available", "imagefs.inodesFree"}
+    assert set(disk.values()) == {"0%"} and kubelet["imageGCHighThresholdPercent"] == 100
     args = config.kubelet_args(gpu, dirs, Path("/bin/kubelet"), tmp_path / "k")
     assert "--node-labels=nvidia.com/gpu.present=true" in args
     assert "--register-with-taints=nvidia.com/gpu=present:NoSchedule" in args

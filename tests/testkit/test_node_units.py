@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from rolloutfleet_testkit.controlplane.cluster import component_args
@@ -202,3 +203,11 @@ def test_command_line():
     args = cli.parser().parse_args(["up", "--dir", "/tmp/x", "--images", "busybox", "testkit"])
     assert (args.command, args.dir, args.images) == ("up", Path("/tmp/x"), ["busybox", "testkit"])
     assert cli.parser().parse_args(["down"]).images is None
+
+
+def test_a_cluster_is_refused_on_a_nearly_full_disk_with_what_to_free(tmp_path, monkeypatch):
+    node_cluster._refuse_full_disk(tmp_path)  # this machine's disk has room for the floor
+    monkeypatch.setattr(node_cluster, "MIN_FREE_DISK_BYTES", shutil.disk_usage(tmp_path).total + 1)
+    with pytest.raises(RuntimeError) as refused:
+        node_cluster._refuse_full_disk(tmp_path)
+    assert f"on the disk holding {tmp_path}" in str(refused.value) and "images/layers" in str(refused.value)

@@ -278,6 +278,23 @@ def _refuse_or_clear_leftovers(root: Path) -> None:
         shutil.rmtree(root / name, ignore_errors=True)
 
 
+# What a run of the suite writes beside the images (pod logs, journals, dumps, containerd snapshots)
+# is about 1-2 GiB; the kubelets never reclaim disk (see config.kubelet_config), so a disk that
+# fills mid-run fails pods instead: refused up front.
+MIN_FREE_DISK_BYTES = 3 * 2**30
+
+
+def _refuse_full_disk(*paths: Path) -> None:
+    for path in paths:
+        free = shutil.disk_usage(path).free
+        if free < MIN_FREE_DISK_BYTES:
+            raise RuntimeError(
+                f"only {free / 2**30:.1f} GiB free on the disk holding {path}; a cluster needs "
+                f"{MIN_FREE_DISK_BYTES / 2**30:.0f} GiB (its kubelets never reclaim disk): free some space, "
+                f"e.g. build steps of old images under {project_cache() / 'images' / 'layers'}"
+            )
+
+
 def up(root: Path | None = None, timeout_s: float = 180) -> RealCluster:
     """Start the cluster in `root` (default: the cache's node-cluster/) and return it once both
     nodes are Ready, CoreDNS answers and the `default` ServiceAccount exists. On any failure (or
@@ -293,6 +310,8 @@ def up(root: Path | None = None, timeout_s: float = 180) -> RealCluster:
     node_bins = ensure_node_binaries()
     archives = _node_images(node_bins)
     _refuse_or_clear_leftovers(root)
+    root.mkdir(parents=True, exist_ok=True)
+    _refuse_full_disk(root, project_cache())
     (root / "logs").mkdir(parents=True)  # the control plane clears and makes its own directory
     cluster = RealCluster(
         root,

@@ -206,11 +206,16 @@ def kubelet_config(
         "protectKernelDefaults": False,
         "serializeImagePulls": False,
         # Shared disks of a development machine: never evict pods or delete images for disk space.
+        # A disk threshold, once crossed, makes the eviction manager delete every unused image
+        # (v1.35 pkg/kubelet/eviction/helpers.go: imagefs/nodefs reclaim = DeleteUnusedImages), the
+        # sandbox's pause image among them between pods; "0%" is how a threshold is turned off
+        # (parseThresholdStatement ignores 0% and 100%). Image GC itself is off below: high 100%.
         "evictionHard": {
             "memory.available": "100Mi",
-            "nodefs.available": "1%",
-            "imagefs.available": "1%",
-            "nodefs.inodesFree": "1%",
+            "nodefs.available": "0%",
+            "imagefs.available": "0%",
+            "nodefs.inodesFree": "0%",
+            "imagefs.inodesFree": "0%",
         },
         "imageGCHighThresholdPercent": 100,
         "imageGCLowThresholdPercent": 99,
