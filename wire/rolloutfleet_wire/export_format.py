@@ -18,6 +18,8 @@ Tensors (N tokens, B trajectories, T turns in the batch):
                                    returns them when sampling; 0: raw log_softmax(logits) (greedy, T = 1,
                                    or engines with SGLANG_RETURN_ORIGINAL_LOGPROB=1)
     turn_rewards   float32 [T]     per-turn reward, NaN when none was set
+    turn_finishes  uint8   [T]     how the engine ended each turn: 1 stop, 2 length (cut at max tokens:
+                                   frameworks mark such a sample truncated), 3 abort, 0 unknown
     cu_turns       int64   [B+1]   trajectory i has turns cu_turns[i]:cu_turns[i+1]
 The metadata key `rolloutfleet.export` holds a JSON header (batch id, per-trajectory session ids and
 metadata, and each trajectory's place in its session's tree: `sample` = {turn, parent, call, path}).
@@ -39,13 +41,14 @@ import orjson
 from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
-from .session_record import TURN_BOUND_FIELDS, SessionRecord, token_versions
+from .session_record import FINISH_NAMES, TURN_BOUND_FIELDS, SessionRecord, token_versions, turn_finish
 from .session_tree import SampleShape, samples
 
 FORMAT = "rolloutfleet.export"
-FORMAT_VERSION = 2
-# Version 1 had no turn_temperatures / turn_tempered; its batches (restored after an upgrade) still read.
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+# Version 1 had no turn_temperatures / turn_tempered, 2 no turn_finishes; their batches (restored after
+# an upgrade) still read.
+READABLE_VERSIONS = (1, 2, 3)
 MEDIA_TYPE = "application/vnd.rolloutfleet.safetensors"
 
 TENSOR_DTYPES = {
@@ -61,6 +64,7 @@ TENSOR_DTYPES = {
     "cu_turns": np.int64,
     "turn_temperatures": np.float32,
     "turn_tempered": np.uint8,
+    "turn_finishes": np.uint8,
 }
 
 
@@ -104,6 +108,9 @@ class DecodedBatch:
             "turn_rewards": [_finite_or_none(r) for r in t["turn_rewards"][first_turn:last_turn]],
             "turn_temperatures": [_finite_or_none(x) for x in t["turn_temperatures"][first_turn:last_turn]],
             "turn_tempered": [bool(x) for x in t["turn_tempered"][first_turn:last_turn]],
+            "turn_finishes": [
+                FINISH_NAMES.get(int(x), "unknown") for x in t["turn_finishes"][first_turn:last_turn]
+            ],
         }
 
 
@@ -157,6 +164,9 @@ def encode_batch(
             [np.frombuffer(r.turn_temperatures, np.float32) for r in records], np.float32
         ),
         "turn_tempered": _concat([np.frombuffer(r.turn_tempered, np.uint8) for r in records], np.uint8),
+        "turn_finishes": np.array(
+            [turn_finish(r, t) for r, n in zip(records, turn_counts, strict=True) for t in range(n)], np.uint8
+        ),
     }
     header = {
         "format": FORMAT,
@@ -197,6 +207,8 @@ def decode_batch(data: bytes) -> DecodedBatch:
         turns = len(tensors.get("turn_versions", ()))
         tensors.setdefault("turn_temperatures", np.full(turns, np.nan, np.float32))
         tensors.setdefault("turn_tempered", np.zeros(turns, np.uint8))
+    if header["format_version"] < 3:
+        tensors.setdefault("turn_finishes", np.zeros(len(tensors.get("turn_versions", ())), np.uint8))
     for name, dtype in TENSOR_DTYPES.items():
         if name not in tensors or tensors[name].dtype != dtype:
             raise BatchFormatError(f"tensor {name} is missing or not {np.dtype(dtype).name}")
@@ -213,6 +225,7 @@ def decode_batch(data: bytes) -> DecodedBatch:
         and t["turn_bounds"].shape == (len(t["turn_versions"]), TURN_BOUND_FIELDS)
         and len(t["turn_rewards"]) == len(t["turn_versions"]) == int(t["cu_turns"][-1])
         and len(t["turn_temperatures"]) == len(t["turn_tempered"]) == len(t["turn_versions"])
+        and len(t["turn_finishes"]) == len(t["turn_versions"])
         and isinstance(header.get("batch_id"), str)
     )
     if not consistent:

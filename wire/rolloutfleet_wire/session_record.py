@@ -106,3 +106,8 @@ def token_versions(record: SessionRecord) -> array[int]:
         end = turn_ends[after] if after < len(turn_ends) else len(versions)
         versions[start:end] = array("i", [version]) * (end - start)
     return versions
+
+
+def turn_finish(record: SessionRecord, turn: int) -> int:
+    """How turn `turn` ended (FINISH_*); FINISH_UNKNOWN for a turn recorded before finishes were."""
+    return record.turn_finishes[turn] if turn < len(record.turn_finishes) else FINISH_UNKNOWN

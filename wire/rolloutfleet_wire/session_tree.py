@@ -27,6 +27,7 @@ from .session_record import (
     TURN_BOUND_FIELDS,
     VERSION_CHANGE_FIELDS,
     SessionRecord,
+    turn_finish,
 )
 
 
@@ -190,6 +191,7 @@ def path_record(
         turn_temperatures=array("f", (record.turn_temperatures[u] for u in on_path)),
         turn_tempered=array("B", (record.turn_tempered[u] for u in on_path)),
         turn_rewards={i: rewards[u] for i, u in enumerate(on_path) if u in rewards},
+        turn_finishes=array("B", (turn_finish(record, u) for u in on_path)),
         reward=reward,
         finished=record.finished,
     )
