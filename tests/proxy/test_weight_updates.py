@@ -459,3 +459,62 @@ def test_a_weight_update_mid_rollout_loses_no_token_and_records_versions(mode, t
                         assert trajectory["logprobs"][start:stop] == pytest.approx(expected, abs=1e-4)
         if mode == "abort":
             assert spanning >= 1, "a turn was cut by the update and continued under the new weights"
+
+
+@pytest.mark.router
+def test_engines_paused_by_the_trainer_for_30_s_mid_turn_lose_no_token(test_tokenizer_dir, tmp_path):
+    """The trainer pauses every engine in abort mode for 30 s (slime, verl and AReaL do so around a
+    weight update, without the proxy): the turn in flight comes back aborted with its tokens, the
+    proxy resubmits it, the engine holds it until the trainer continues, and the turn ends as one:
+    every token once, each with the logprob the engine's model gives it in context."""
+    from rolloutfleet_testkit.sglang_emulator.model import load_model, score
+    from transformers import AutoTokenizer
+
+    pause_s = 30.0
+    tokenizer = AutoTokenizer.from_pretrained(str(test_tokenizer_dir))
+    model = load_model(len(tokenizer), seed=0, eos_token_id=tokenizer.eos_token_id)
+    with (
+        routed_emulators(test_tokenizer_dir, tmp_path, token_delay_s=0.05) as (router_url, engines),
+        running_proxy(router_url, test_tokenizer_dir, None) as proxy,
+    ):
+        sid, key = proxy.create_session()
+        answer: list[httpx.Response] = []
+        body = {"messages": [{"role": "user", "content": "tell me more"}], "max_tokens": 40, "temperature": 0}
+        turn = threading.Thread(
+            target=lambda: answer.append(
+                httpx.post(
+                    f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+                    headers={"Authorization": f"Bearer {key}"},
+                    json=body,
+                    timeout=pause_s + 60,
+                )
+            )
+        )
+        turn.start()
+        deadline = time.monotonic() + 30
+        while not any(httpx.get(f"{e}/emulator_stats").json()["generated_tokens"] >= 5 for e in engines):
+            assert time.monotonic() < deadline, "the turn never generated"
+            time.sleep(0.02)
+        for engine in engines:
+            assert httpx.post(f"{engine}/pause_generation", json={"mode": "abort"}).status_code == 200
+        time.sleep(pause_s)
+        assert not answer, "the turn waited for the engine"
+        for engine in engines:
+            assert httpx.post(f"{engine}/continue_generation", json={}).status_code == 200
+        turn.join(60)
+        assert answer and answer[0].status_code == 200, answer and answer[0].text
+        trajectory = proxy.get(sid, key).json()["trajectory"]
+        ((_, output_start, end),) = trajectory["turns"]
+        ids = trajectory["input_ids"]
+        assert end - output_start == 40 or ids[end - 1] == tokenizer.eos_token_id
+        totals = proxy.stats()["totals"]
+        # Two generations made the turn: the one the pause aborted, and its continuation, whose
+        # prompt holds the tokens made before (scored as such: the emulator's EOS bonus counts
+        # output positions from each generation's start).
+        cut = output_start + totals["generated_tokens_continued"]
+        expected = score(model, ids[:output_start], ids[output_start:cut], 0) + score(
+            model, ids[:cut], ids[cut:end], 0
+        )
+        assert trajectory["logprobs"][output_start:end] == pytest.approx(expected, abs=1e-4)
+        assert totals["generated_tokens_discarded"] == 0 and totals["generated_tokens_continued"] >= 1
+        assert totals["turns_continued"] == 1
