@@ -9,7 +9,7 @@ The fleet is found as in production, from ROLLOUTFLEET_ENDPOINTS and ROLLOUTFLEE
   tool    asks 12 + 30 offering the calculator, answers the model's call, takes the answer (reward 1.0
           when it says 42);
   length  two turns of `max_tokens` 6 (both cut at their budget), reward 0.5;
-  update  one turn of 40 tokens at the framework's temperature, no reward (the test updates the
+  update  one turn of up to 60 tokens at the framework's temperature, no reward (the test updates the
           engines' weights while it runs).
 """
 
@@ -37,6 +37,10 @@ QUESTIONS = {
     "length": "Tell me a long story.",
     "update": "Tell me about weight updates.",
 }
+# The emulated engines sample deterministically given a seed (as SGLang does with
+# --enable-deterministic-inference): with this one the length scenario's turns reach their budget,
+# and the update scenario's turn makes 33 tokens before EOS under the old weights.
+SEED = 1234
 # What the agents saw, per scenario run: each reply's finish_reason and text (the test compares them
 # with the framework's structure).
 SEEN: list[dict[str, Any]] = []
@@ -63,11 +67,11 @@ async def converse(
         answer = await turn(tools=[CALCULATOR], max_tokens=64)
         return 1.0 if "42" in (answer.content or "") else 0.0
     if scenario == "length":
-        await turn(max_tokens=6, temperature=temperature)
+        await turn(max_tokens=6, temperature=temperature, seed=SEED)
         messages.append({"role": "user", "content": "Go on."})
-        await turn(max_tokens=6, temperature=temperature)
+        await turn(max_tokens=6, temperature=temperature, seed=SEED)
         return 0.5
-    await turn(max_tokens=40, temperature=temperature)
+    await turn(max_tokens=60, temperature=temperature, seed=SEED)
     return None
 
 

@@ -93,12 +93,14 @@ def calculator_fleet(test_tokenizer_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def emulated_fleet(test_tokenizer_dir, tmp_path_factory):
-    """A proxy in front of the real sglang-router over two SGLang emulators (20 ms a token, so a turn
-    is in flight when the trainer aborts the engines)."""
+    """A proxy in front of the real sglang-router over two SGLang emulators (50 ms a token, so a turn
+    is in flight when the trainer aborts the engines), deterministic as with SGLang's
+    --enable-deterministic-inference: the agents' `seed` makes their turns' lengths reproducible."""
     batches: list[bytes] = []
     logs = tmp_path_factory.mktemp("router-logs")
+    emulators = routed_emulators(test_tokenizer_dir, logs, token_delay_s=0.05, deterministic_inference=True)
     with (
-        routed_emulators(test_tokenizer_dir, logs, token_delay_s=0.02) as (router_url, engines),
+        emulators as (router_url, engines),
         running_proxy(
             router_url, test_tokenizer_dir, logs / "dumps", abort_ride_through_s=60,
             wrap_app=keeping_exports(batches),
@@ -279,6 +281,10 @@ def test_turns_cut_at_their_max_tokens_and_verl_cuts_the_response_at_its_length(
 # --- a weight update in the middle of a turn, driven at the engines as the framework drives it ---
 
 
+def engine_stats(engine: str) -> dict:
+    return httpx.get(f"{engine}/emulator_stats", timeout=10).json()
+
+
 def update_as_verl(engine: str, weights: Path) -> None:
     # verl's checkpoint engine: abort_all_requests (SGLang's pause_generation in abort mode), the
     # transfer (NCCL or NIXL: to the emulator, a load from disk), resume_generation. No weight version.
@@ -308,18 +314,23 @@ def test_a_weight_update_mid_turn_is_ridden_through_and_reaches_the_framework_wh
 
     proxy, engines = emulated_fleet.proxy, emulated_fleet.engines
     before = proxy.stats()["totals"]
+    weights = write_weights(tmp_path / "policy-v1", seed=7)
     driver = start_driver(
         frameworks_python, emulated_fleet, tmp_path, test_tokenizer_dir,
         framework=framework, scenario="update", prompt_length=64, response_length=64,
     )  # fmt: skip
     try:
+        # The update comes once the engines have made a few of the turn's tokens (50 ms each; with
+        # the agent's seed the old weights make 33 before EOS): tokens before it and after it.
         deadline = time.monotonic() + 180  # the driver imports its framework first
-        while proxy.stats()["inflight_turns"] < 1:
+        while not any(engine_stats(e)["running"] for e in engines):
             assert driver.poll() is None, driver.communicate()[1][-4000:]
             assert time.monotonic() < deadline, "the agent's turn never started"
             time.sleep(0.02)
-        time.sleep(0.2)  # about 10 of the turn's 40 tokens made
-        weights = write_weights(tmp_path / "policy-v1", seed=7)
+        made = sum(engine_stats(e)["generated_tokens"] for e in engines)
+        while sum(engine_stats(e)["generated_tokens"] for e in engines) < made + 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
         update = update_as_verl if framework == "verl" else update_as_areal
         updates = [threading.Thread(target=update, args=(engine, weights)) for engine in engines]
         for thread in updates:
@@ -339,7 +350,7 @@ def test_a_weight_update_mid_turn_is_ridden_through_and_reaches_the_framework_wh
     record = emulated_fleet.record()
     [(start, end)] = generated(record)
     ids = record["input_ids"]
-    assert end - start == 40 or ids[end - 1] == tokenizer.eos_token_id
+    assert end - start == 60 or ids[end - 1] == tokenizer.eos_token_id
     assert got["seen"][0]["finish_reason"] in ("length", "stop")
     # Tokens made before the abort are scored by the old weights; the rest by the new ones, from the
     # continuation's prompt (which holds the first part), as the emulator scores each request.
