@@ -45,8 +45,10 @@ class RunningProxy:
 
 @contextlib.contextmanager
 def running_proxy(
-    upstream_url: str, tokenizer_dir: Path, dump_dir: Path | None, **overrides
+    upstream_url: str, tokenizer_dir: Path, dump_dir: Path | None, *, wrap_app=None, **overrides
 ) -> Iterator[RunningProxy]:
+    """A proxy with `overrides` of its settings; `wrap_app`: an ASGI wrapper around its app (a test
+    that watches what it answers)."""
     settings = ProxySettings(
         upstream_url=upstream_url,
         tokenizer_path=str(tokenizer_dir),
@@ -56,7 +58,8 @@ def running_proxy(
         **{"log_requests": False, **overrides},
     )
     runtime = ProxyRuntime(settings)
-    with serve_app(create_app(settings, runtime)) as url:
+    app = create_app(settings, runtime)
+    with serve_app(wrap_app(app) if wrap_app else app) as url:
         yield RunningProxy(url, runtime, dump_dir)
 
 
