@@ -82,10 +82,16 @@ _NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 _BROKEN = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError, httpx.CloseError)
 
 
+def not_sent(exc: BaseException) -> bool:
+    """The request never reached the server (no connection, or none from the pool): resending it is
+    safe whatever it does. A connect timeout is one: a replaced pod's old address answers nothing."""
+    return isinstance(exc, _NOT_SENT)
+
+
 def classify_exception(exc: BaseException, *, creating: bool = False) -> Verdict:
     """Verdict for a failed request (an httpx exception)."""
     name = type(exc).__name__
-    if isinstance(exc, _NOT_SENT):
+    if not_sent(exc):
         return Verdict(Action.OTHER_PROXY if creating else Action.WAIT, f"unreachable ({name})")
     if isinstance(exc, _BROKEN):
         action = Action.OTHER_PROXY if creating else Action.WAIT

@@ -31,7 +31,7 @@ from rolloutfleet_wire.errors import ErrorCode
 from rolloutfleet_wire.export_format import DecodedBatch, decode_batch
 
 from .errors import NoAnswerCode, ProxyRequestError, proxy_error
-from .retry import Backoff, nothing_done, retry_after_s, trainer_should_retry
+from .retry import Backoff, not_sent, nothing_done, retry_after_s, trainer_should_retry
 
 if TYPE_CHECKING:
     import torch
@@ -116,6 +116,7 @@ class TrainerClient:
         admin_key: str,
         *,
         timeout_s: float = 120.0,
+        connect_timeout_s: float = 5.0,
         retries: int = 10,
         backoff: Backoff | None = None,
         client: httpx.Client | None = None,
@@ -130,7 +131,9 @@ class TrainerClient:
         # weight-update routes, so those go to each engine.
         self.engine_urls = [u.rstrip("/") for u in engine_urls]
         self._engine_headers = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else {}
-        self._client = client or httpx.Client(timeout=timeout_s)
+        # A short connect timeout: a proxy being replaced keeps its DNS name while its old address
+        # answers nothing, and a connection never made is retried at once (see _call).
+        self._client = client or httpx.Client(timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
         self._owns_client = client is None
         self._headers = {"Authorization": f"Bearer {admin_key}"}
         self._retries = retries
@@ -171,7 +174,7 @@ class TrainerClient:
                 response = self._client.request(method, url, headers=self._headers, **kwargs)
             except httpx.TransportError as exc:
                 # Not sent at all: always safe to retry. Sent but unanswered: only if repeatable.
-                if last or not (repeatable or isinstance(exc, httpx.ConnectError)):
+                if last or not (repeatable or not_sent(exc)):
                     raise ProxyRequestError(
                         url, None, NoAnswerCode.UNREACHABLE, f"{type(exc).__name__}: {exc}"
                     ) from exc

@@ -35,9 +35,18 @@ def operator_pods(cluster, namespace: str = NAMESPACE) -> dict[str, dict]:
     return {p["metadata"]["name"]: p for p in pods["items"] if not p["metadata"].get("deletionTimestamp")}
 
 
-def holder(cluster, namespace: str = NAMESPACE, lease: str = LEASE) -> str | None:
+def lease_spec(cluster, namespace: str = NAMESPACE, lease: str = LEASE) -> dict:
     result = cluster.kubectl("get", "lease", lease, "-n", namespace, "-o", "json", check=False)
-    return json.loads(result.stdout)["spec"].get("holderIdentity") if result.returncode == 0 else None
+    return json.loads(result.stdout)["spec"] if result.returncode == 0 else {}
+
+
+def holder(cluster, namespace: str = NAMESPACE, lease: str = LEASE) -> str | None:
+    return lease_spec(cluster, namespace, lease).get("holderIdentity")
+
+
+def parse_time(stamp: str) -> datetime.datetime:
+    """A Lease's MicroTime (RFC 3339, UTC)."""
+    return datetime.datetime.fromisoformat(stamp.replace("Z", "+00:00"))
 
 
 def fleet_ready(cluster, replicas: int, name: str = "ha", namespace: str = NAMESPACE) -> bool:
@@ -169,12 +178,9 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
         installed_operator(cluster, namespace, STALL_RELEASE, extra={"replicaCount": "2"}),
         serve_app(create_engine_app(str(test_tokenizer_dir), seed=0), host=cluster.host_ip) as engine_url,
     ):
-        leader = wait_for(
+        wait_for(
             lambda: holder(cluster, namespace, STALL_LEASE), timeout_s=60, what="a replica to hold the Lease"
         )
-        pods = operator_pods(cluster, namespace)
-        (standby,) = set(pods) - {leader}
-        leader_ip, standby_ip = pods[leader]["status"]["podIP"], pods[standby]["status"]["podIP"]
         fleet = fleet_setup.external_fleet("stall", namespace, test_tokenizer_dir, engine_url, replicas=1)
         cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
         wait_for(
@@ -183,6 +189,14 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
             what="the fleet Ready",
             interval_s=1,
         )
+        # Read just before the stall: on a loaded machine the Lease may have changed hands since the
+        # fleet was made (a replica that missed its renewal gives it up), and that is no fault. The
+        # leader's term began at its acquireTime: the standby must not write from then until the stall.
+        term = lease_spec(cluster, namespace, STALL_LEASE)
+        leader, term_began = term["holderIdentity"], parse_time(term["acquireTime"])
+        pods = operator_pods(cluster, namespace)
+        (standby,) = set(pods) - {leader}
+        leader_ip, standby_ip = pods[leader]["status"]["podIP"], pods[standby]["status"]["podIP"]
 
         pid = pod_process(leader)
         host, port = api_address(pid)
@@ -238,7 +252,11 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
             r for r in audit.parse_requests(lines) if r.user.startswith(f"system:serviceaccount:{namespace}:")
         ]
     old_writes = [r for r in requests if r.source_ip == leader_ip and r.write and "/leases/" not in r.uri]
-    new_writes = [r for r in requests if r.source_ip == standby_ip and r.write and "/leases/" not in r.uri]
+    new_writes = [
+        r
+        for r in requests
+        if r.source_ip == standby_ip and r.write and "/leases/" not in r.uri and r.received >= term_began
+    ]
     assert old_writes and new_writes  # both acted, each in its time: the fleet's pods, status, Events
     first_new = min(r.received for r in new_writes)
     assert first_new > stalled_at

@@ -218,3 +218,35 @@ def test_a_group_exports_one_row_per_choice_sharing_a_group_id(fleet):
         assert tensors["loss_mask"][2].sum().item() == 8  # choice 1's output and turn 3's
         assert tensors["loss_mask"][0].sum().item() == 4
         assert client.ack(batches) == {b.batch_id: True for b in batches}
+
+
+class FirstConnectTimesOut(httpx.BaseTransport):
+    """A real transport whose first connection times out, as one to a replaced pod's old address
+    does while the per-pod DNS name still resolves to it."""
+
+    def __init__(self) -> None:
+        self.real = httpx.HTTPTransport()
+        self.refused: list[str] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if not self.refused:
+            self.refused.append(str(request.url))
+            raise httpx.ConnectTimeout("timed out", request=request)
+        return self.real.handle_request(request)
+
+    def close(self) -> None:
+        self.real.close()
+
+
+def test_an_export_whose_connection_timed_out_is_sent_again(fleet):
+    """Nothing reached the proxy, so building the batch again is safe (a lost answer is not)."""
+    sid, _ = play_session(fleet[0])
+    transport = FirstConnectTimesOut()
+    with (
+        httpx.Client(transport=transport) as http,
+        TrainerClient([fleet[0].url], ADMIN_KEY, client=http, backoff=Backoff(initial_s=0.01)) as client,
+    ):
+        batch = client.export_from(fleet[0].url, session_ids=[sid])
+        assert transport.refused == [f"{fleet[0].url}/v1/exports"]
+        assert batch is not None and [t["session_id"] for t in batch.trajectories()] == [sid]
+        client.ack([batch])
