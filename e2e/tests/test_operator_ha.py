@@ -259,7 +259,11 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
     ]
     assert old_writes and new_writes  # both acted, each in its time: the fleet's pods, status, Events
     first_new = min(r.received for r in new_writes)
-    assert first_new > stalled_at
+    assert first_new > stalled_at, (
+        f"the standby ({standby}, {standby_ip}) wrote before the stall at {stalled_at:%H:%M:%S.%f}, in "
+        f"{leader}'s term (from {term_began:%H:%M:%S.%f})",
+        [(f"{r.received:%H:%M:%S.%f}", r.verb, r.uri) for r in new_writes if r.received <= stalled_at][:10],
+    )
     late = [r for r in old_writes if r.received >= first_new]
     assert not late, (
         f"stalled at {stalled_at:%H:%M:%S.%f}, the new leader's first write at {first_new:%H:%M:%S.%f}",
