@@ -25,9 +25,13 @@ from openai import AsyncOpenAI
 from proxy_harness import ADMIN_KEY, running_proxy
 from rolloutfleet_client.adapters import FleetConfig
 from rolloutfleet_client.adapters.slime import miles_generate, request_kwargs, slime_generate
+from rolloutfleet_client.calculator import CALCULATOR_TOOL, run_tool_call
+from rolloutfleet_testkit.calculator_model import CalculatorModel
+from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.routed_engines import routed_emulators
 from rolloutfleet_testkit.sglang_emulator.model import load_model, score
 from rolloutfleet_testkit.sglang_emulator.server import write_weights
+from rolloutfleet_testkit.upstream_stub import create_app as create_stub_app
 from transformers import AutoTokenizer
 
 
@@ -274,3 +278,52 @@ def test_sampling_parameters_become_chat_completion_fields():
         "top_k": None,
     }
     assert request_kwargs(given) == {"max_tokens": 8, "seed": 3, "temperature": 0.7}
+
+
+@pytest.mark.router
+def test_a_tool_episode_fills_the_sample_with_the_tool_result_masked_out(
+    test_tokenizer_dir, tokenizer, tmp_path
+):
+    """The agent offers the calculator; the model (a stand-in that calls it, then answers with its
+    result) calls it, the agent runs the tool and sends the result back. The tool result's tokens are
+    in the sample, masked out; the model's two replies are trained on."""
+    stub = create_stub_app(0.0, 4, ruled=CalculatorModel(test_tokenizer_dir).replies())
+    replies: list[Any] = []
+
+    async def agent(base_url, prompt, request_kwargs, metadata, **_):
+        client = AsyncOpenAI(base_url=base_url, api_key="EMPTY", max_retries=0)
+        messages = list(prompt)
+        called = await client.chat.completions.create(
+            model="m", messages=messages, tools=[CALCULATOR_TOOL], **request_kwargs
+        )
+        replies.append(called.choices[0])
+        messages.append(called.choices[0].message.model_dump(exclude_none=True))
+        for call in called.choices[0].message.tool_calls or []:
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": run_tool_call(call.model_dump())}
+            )
+        answer = await client.chat.completions.create(
+            model="m", messages=messages, tools=[CALCULATOR_TOOL], **request_kwargs
+        )
+        replies.append(answer.choices[0])
+        await client.close()
+        return 1.0 if "42" in (answer.choices[0].message.content or "") else 0.0
+
+    with (
+        serve_app(stub) as url,
+        running_proxy(url, test_tokenizer_dir, tmp_path / "dumps", tool_call_parser="qwen25") as proxy,
+    ):
+        config = FleetConfig(ADMIN_KEY, [proxy.url])
+        generate = slime_generate(agent, config=config, tokenizer=tokenizer)
+        question = [{"role": "user", "content": "What is 12 + 30?"}]
+        sample = SlimeSample(index=1, prompt=question, metadata={"task": "add"})
+        asyncio.run(generate(object(), sample, {"max_new_tokens": 64}))
+    assert replies[0].finish_reason == "tool_calls" and replies[1].finish_reason == "stop"
+    assert sample.reward == 1.0 and sample.status is SlimeSample.Status.COMPLETED
+    prompt_length = len(sample.tokens) - sample.response_length
+    spans = [(a + prompt_length, b + prompt_length) for a, b in generated_spans(sample.loss_mask)]
+    assert len(spans) == 2
+    between = tokenizer.decode(sample.tokens[spans[0][1] : spans[1][0]])
+    assert "<|im_start|>tool\n42<|im_end|>" in between  # the tool result as the template renders it
+    assert "The answer is 42." in tokenizer.decode(sample.tokens[spans[1][0] : spans[1][1]])
+    assert '"calculator"' in tokenizer.decode(sample.tokens[spans[0][0] : spans[0][1]])
