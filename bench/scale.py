@@ -10,7 +10,8 @@ RBAC (installed with replicaCount 0), so that the API server's audit log counts 
 1. Apply every fleet in one `kubectl apply` and time until each fleet's status says Ready with all
    its proxies (from the fleets' status, polled every 2 s): when the first, the median and the last
    fleet got there; the operator's requests meanwhile.
-2. After --settle-s, count the operator's requests over --window-s at rest (audit log).
+2. Once the operator has written nothing for --settle-s (the creations' Events drain after all are
+   Ready, at the operator's client-side rate limit), count its requests over --window-s at rest.
 3. Throughout, sample the operator process's RSS and CPU (psutil) every second.
 
 Fleets use external engines (no engine pods) and the memory watchdog is off (rssBudgetBytes 0):
@@ -281,8 +282,19 @@ def run(cluster: kwok.SimulatedCluster, work: Path, args: argparse.Namespace) ->
             "operator": usage(samples.between(applied_at, all_ready_at)),
         }
         progress(f"all {args.fleets} fleets Ready {rollout['all_ready_s']} s after apply: {rollout}")
-        progress(f"settling {args.settle_s:.0f} s, then counting at rest for {args.window_s:.0f} s")
-        time.sleep(args.settle_s)
+        # The operator is at rest once it has written nothing for --settle-s: at scale the Events of
+        # the creations (rate-limited by its --api-qps) are still being posted after all are Ready.
+        settle, window = f"{args.settle_s:.0f} s", f"{args.window_s:.0f} s"
+        progress(f"waiting for {settle} without a write, then counting at rest for {window}")
+        drain_from = now()
+        drained = drain(cluster, args.settle_s, args.timeout_s)
+        backlog = audit.tally(audit.requests_of(cluster.audit_log, OPERATOR_USER, drain_from, now()))
+        rollout["after_ready"] = {
+            "seconds_until_no_write_for_settle_s": drained,
+            "writes": backlog["writes"],
+            "by_verb_and_resource": backlog["by_verb_and_resource"],
+        }
+        progress(f"quiet {drained:.0f} s after all Ready: {rollout['after_ready']}")
         since = now()
         rest_from = time.monotonic() - samples.started
         time.sleep(args.window_s)
@@ -341,6 +353,19 @@ def plot(result: dict, args: argparse.Namespace) -> None:
     bottom.set_xlabel("seconds after kubectl apply")
     bottom.legend(loc="upper left")
     save_figure(fig, IMAGES / "scale.png")
+
+
+def drain(cluster, quiet_s: float, timeout_s: float) -> float:
+    """Seconds until the operator has made no write (Lease renewals apart) for `quiet_s`."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        recent = now() - datetime.timedelta(seconds=quiet_s)
+        requests = audit.requests_of(cluster.audit_log, OPERATOR_USER, recent, now())
+        writes = [r for r in requests if r.write and audit.LEASES not in r.uri]
+        if time.monotonic() - started >= quiet_s and not writes:
+            return round(time.monotonic() - started, 1)
+        time.sleep(5)
+    raise TimeoutError(f"the operator kept writing for {timeout_s:.0f} s after all fleets were Ready")
 
 
 def main(argv: list[str] | None = None) -> None:
