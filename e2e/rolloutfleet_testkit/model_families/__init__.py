@@ -14,6 +14,15 @@ Five families, by the names the rest of the test kit uses:
   GLM-4.5's template. A real BPE vocabulary, the family's template and special tokens, NOT GLM's
   own ranks: Zhipu's vocabulary is not on PyPI.
 
+Two vision-language families, in `VL_FAMILIES` (model directories: the tokenizer plus
+`preprocessor_config.json` and `config.json` as SGLang reads them, `vision.py`):
+
+- `qwen25_vl`: Qwen2.5-VL. Qwen's real vocabulary (the vision specials at their real ids), ChatML
+  with Qwen2.5-VL's default system prompt, one `<|vision_start|><|image_pad|><|vision_end|>` per
+  image part; Qwen2.5's hermes tool calls.
+- `qwen3_vl`: Qwen3-VL Instruct. The same vocabulary and image rendering, Qwen3's tools block and
+  hermes tool calls, no reasoning; the image processor's patch is 16 (14 for Qwen2.5-VL).
+
 The templates (templates/*.jinja) were written for these tests from the real templates' documented
 behaviour, reproducing what matters for incremental tokenization; where they simplify, the
 template's header comment and the README of this package's tests say so.
@@ -33,6 +42,7 @@ from dataclasses import dataclass, field
 from rolloutfleet_testkit.model_families.builder import (
     BUILDER_VERSION,
     FAMILY_NAMES,
+    VL_FAMILY_NAMES,
     build_family_tokenizer,
     cache_root,
     cached_family_tokenizer,
@@ -46,15 +56,27 @@ from rolloutfleet_testkit.model_families.replies import (
     glm45_reply,
     llama31_reply,
     qwen3_reply,
+    qwen3_vl_reply,
     qwen25_reply,
+)
+from rolloutfleet_testkit.model_families.vision import (
+    IMAGE_PLACEHOLDER,
+    VISION_SPECS,
+    VISION_TOKEN_IDS,
+    VisionSpec,
 )
 
 __all__ = [
     "BUILDER_VERSION",
     "FAMILIES",
     "FAMILY_NAMES",
+    "IMAGE_PLACEHOLDER",
+    "VISION_TOKEN_IDS",
+    "VL_FAMILIES",
+    "VL_FAMILY_NAMES",
     "ModelFamily",
     "ToolCalls",
+    "VisionSpec",
     "build_family_tokenizer",
     "cache_root",
     "cached_family_tokenizer",
@@ -76,6 +98,8 @@ class ModelFamily:
     # The tokens a reply may end on (generation_config.json's eos_token_id, in that order).
     stop_tokens: tuple[str, ...]
     _reply: Callable[[str | None, str, ToolCalls], str] = field(repr=False, compare=False)
+    # The image processor and config.json of a vision-language family; None for text families.
+    vision: VisionSpec | None = None
 
     def build(self, out_dir: str | os.PathLike) -> pathlib.Path:
         """Build the family's tokenizer directory into out_dir (idempotent) and return it."""
@@ -141,3 +165,30 @@ FAMILIES: dict[str, ModelFamily] = {
     )
 }
 assert tuple(FAMILIES) == FAMILY_NAMES
+
+# Vision-language families: model directories whose tokenizer is a text family's, plus the image
+# processor's configuration; kept apart from FAMILIES so text-only tests stay as they are.
+VL_FAMILIES: dict[str, ModelFamily] = {
+    family.name: family
+    for family in (
+        ModelFamily(
+            name="qwen25_vl",
+            tool_call_parser="qwen25",
+            reasoning_parser=None,
+            assistant_end="<|im_end|>\n",
+            stop_tokens=("<|im_end|>", "<|endoftext|>"),
+            _reply=qwen25_reply,
+            vision=VISION_SPECS["qwen25_vl"],
+        ),
+        ModelFamily(
+            name="qwen3_vl",
+            tool_call_parser="qwen25",
+            reasoning_parser=None,
+            assistant_end="<|im_end|>\n",
+            stop_tokens=("<|im_end|>", "<|endoftext|>"),
+            _reply=qwen3_vl_reply,
+            vision=VISION_SPECS["qwen3_vl"],
+        ),
+    )
+}
+assert tuple(VL_FAMILIES) == VL_FAMILY_NAMES

@@ -15,6 +15,10 @@ Where the vocabularies come from (both are dev dependencies; nothing is download
   template and special tokens, but NOT the family's own ranks; ordinary text encodes to other ids
   than the real model's.
 
+- qwen25_vl, qwen3_vl: Qwen's vocabulary as for qwen25 and qwen3 (its added tokens hold the vision
+  specials at their real ids), with the family's own template, plus `preprocessor_config.json` and
+  `config.json` (vision.py): a model directory SGLang and transformers' image processor read.
+
 Each build is a directory that `AutoTokenizer.from_pretrained(dir, local_files_only=True)` loads,
 with `generation_config.json` listing the family's end-of-generation ids as the real models ship
 them. Builds are deterministic and cached (converting 151k ranks takes seconds): a marker file,
@@ -33,6 +37,8 @@ import pathlib
 import tempfile
 import time
 from dataclasses import dataclass, field
+
+from rolloutfleet_testkit.model_families.vision import VISION_SPECS
 
 # Bump whenever anything below changes the produced files; it is part of the cache directory name
 # too, so builds of two versions never overwrite each other.
@@ -232,8 +238,13 @@ RECIPES: dict[str, QwenRanksRecipe] = {
         generation_eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
     ),
 }
+# The vision-language families: Qwen's vocabulary and added tokens as their text families have them
+# (the vision specials among them), plus preprocessor_config.json and config.json (vision.py).
+RECIPES["qwen25_vl"] = RECIPES["qwen25"]
+RECIPES["qwen3_vl"] = RECIPES["qwen3"]
 DEEPSEEK_GENERATION_EOS = ("<｜end▁of▁sentence｜>",)
 FAMILY_NAMES = ("qwen3", "qwen25", "llama31", "deepseek_r1", "glm45")
+VL_FAMILY_NAMES = ("qwen25_vl", "qwen3_vl")
 
 
 def template_path(family: str) -> pathlib.Path:
@@ -245,8 +256,9 @@ def chat_template(family: str) -> str:
 
 
 def _checked(family: str) -> str:
-    if family not in FAMILY_NAMES:
-        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILY_NAMES)}")
+    if family not in FAMILY_NAMES + VL_FAMILY_NAMES:
+        known = ", ".join(FAMILY_NAMES + VL_FAMILY_NAMES)
+        raise ValueError(f"unknown model family {family!r}; known: {known}")
     return family
 
 
@@ -370,6 +382,10 @@ def _write_qwen_ranks_family(family: str, out: pathlib.Path) -> None:
     if recipe.pad_token:
         generation["pad_token_id"] = recipe.token_ids[recipe.pad_token]
     _dump_json(out / "generation_config.json", generation)
+    vision = VISION_SPECS.get(family)
+    if vision is not None:
+        _dump_json(out / "preprocessor_config.json", dict(vision.preprocessor_config))
+        _dump_json(out / "config.json", vision.config_json())
 
 
 def _write_deepseek(out: pathlib.Path) -> None:
@@ -389,6 +405,9 @@ def _write_deepseek(out: pathlib.Path) -> None:
 def _inputs_digest(family: str) -> str:
     digest = hashlib.sha256(f"{family}\n{BUILDER_VERSION}\n".encode())
     digest.update(template_path(family).read_bytes())
+    vision = VISION_SPECS.get(family)
+    if vision is not None:
+        digest.update(json.dumps([vision.preprocessor_config, vision.config_json()], sort_keys=True).encode())
     for path in _source_files(family):
         digest.update(hashlib.sha256(path.read_bytes()).digest())
     return digest.hexdigest()
@@ -478,10 +497,11 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m rolloutfleet_testkit.model_families",
         description="Build the model-family test tokenizers (into the cache unless --out is given).",
     )
-    parser.add_argument("families", nargs="*", help=f"any of {', '.join(FAMILY_NAMES)} (default: all)")
+    names = FAMILY_NAMES + VL_FAMILY_NAMES
+    parser.add_argument("families", nargs="*", help=f"any of {', '.join(names)} (default: all)")
     parser.add_argument("--out", help="directory to build into, one subdirectory per family")
     args = parser.parse_args(argv)
-    for family in args.families or FAMILY_NAMES:
+    for family in args.families or names:
         started = time.perf_counter()
         target = pathlib.Path(args.out) / family if args.out else family_cache_dir(family)
         path = build_family_tokenizer(family, target)

@@ -100,3 +100,9 @@ def glm45_reply(reasoning: str | None, content: str, tool_calls: ToolCalls = ())
             text += f"<arg_key>{key}</arg_key>\n<arg_value>{rendered}</arg_value>\n"
         text += "</tool_call>"
     return text + ("<|observation|>" if tool_calls else "<|user|>")
+
+
+def qwen3_vl_reply(reasoning: str | None, content: str, tool_calls: ToolCalls = ()) -> str:
+    """Qwen3-VL Instruct: Qwen3's format without reasoning (the Instruct models do not think)."""
+    _no_reasoning("qwen3_vl", reasoning)
+    return qwen3_reply(None, content, tool_calls)
