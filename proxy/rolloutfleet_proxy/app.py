@@ -54,7 +54,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
     @app.exception_handler(BodyTooLarge)
     async def _too_large(_request: Request, _exc: BodyTooLarge) -> Response:
         return error_response(
-            413, ErrorCode.BODY_TOO_LARGE, f"request body exceeds {settings.max_body_bytes} bytes"
+            413, ErrorCode.BODY_TOO_LARGE, f"request body exceeds {runtime.max_body_bytes} bytes"
         )
 
     @app.exception_handler(BudgetExhausted)
@@ -84,7 +84,7 @@ def create_app(settings: ProxySettings, runtime: ProxyRuntime | None = None) -> 
     app.add_middleware(
         RequestMiddleware,
         counters=runtime.counters,
-        max_body_bytes=settings.max_body_bytes,
+        max_body_bytes=runtime.max_body_bytes,
         log_requests=settings.log_requests,
         budget=RequestBudget(settings.max_request_bytes_in_flight, runtime.gauges),
     )

@@ -22,7 +22,14 @@ from typing import Any
 
 import orjson
 from rolloutfleet_wire import session_tree as tree
-from rolloutfleet_wire.session_record import DIGEST_BYTES, NO_DIGEST, ROOT, SessionRecord
+from rolloutfleet_wire.session_record import (
+    DIGEST_BYTES,
+    NO_DIGEST,
+    ROOT,
+    ImageSpan,
+    SessionRecord,
+    image_spans,
+)
 
 from .history import extend_canonical_digest
 
@@ -85,18 +92,44 @@ def shared_prefix(a: array, b: array) -> int:
     return low
 
 
-def attach(record: SessionRecord, base: int, new_ids: array) -> tuple[int, int]:
+def attach(
+    record: SessionRecord, base: int, new_ids: array, new_images: Sequence[ImageSpan] = ()
+) -> tuple[int, int]:
     """The parent and kept length for new prompt ids rendered after `base`: the turn after `base`
     whose own prompt shares the longest start with them (a regeneration, a group, a compaction that
-    kept the system prompt), so shared tokens are stored once; else `base` itself."""
+    kept the system prompt), so shared tokens are stored once; else `base` itself. Two images of the
+    same size expand to the same ids: a shared start ends at the first image that is not the same
+    image (`new_images`: offsets into `new_ids`)."""
     base_length = tree.path_length(record, base)
     parent, keep = base, base_length
     best = 0
+    stored_images = image_spans(record) if record.image_spans else []
     for turn in range(tree.num_turns(record)):
         if record.turn_parents[turn] != base or record.turn_keeps[turn] != base_length:
             continue
         start, output_start, _ = tree.bounds(record, turn)
         shared = shared_prefix(record.token_ids[start:output_start], new_ids)
+        if stored_images or new_images:
+            own = [
+                i._replace(offset=i.offset - start) for i in stored_images if start <= i.offset < output_start
+            ]
+            shared = _shared_before_other_images(shared, own, new_images)
         if shared > best:
             parent, keep, best = turn, base_length + shared, shared
     return parent, keep
+
+
+def _shared_before_other_images(shared: int, stored: Sequence[ImageSpan], new: Sequence[ImageSpan]) -> int:
+    """`shared` cut at the first image (of either side) that starts inside it and is not the same
+    image at the same place on the other side, or runs past it."""
+    by_offset = {image.offset: image for image in stored}
+    for image in new:
+        if image.offset >= shared:
+            break
+        same = by_offset.pop(image.offset, None)
+        if same is None or same.digest != image.digest or image.offset + image.tokens > shared:
+            return image.offset
+    for offset in sorted(by_offset):  # stored images with no new image at their place
+        if offset < shared:
+            return offset
+    return shared

@@ -64,10 +64,14 @@ def _tool_result(content: str) -> dict[str, Any]:
 
 def template_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """A canonical message as templates expect it: an assistant message that only calls tools has
-    content None (templates test `content is none`), arguments stay JSON objects."""
+    content None (templates test `content is none`), arguments stay JSON objects, an image part is
+    `{"type": "image"}` (vision-language templates write one placeholder for it)."""
     rendered = dict(message)
     if rendered.get("tool_calls") and rendered.get("content") == "":
         rendered["content"] = None
+    content = rendered.get("content")
+    if type(content) is list:  # parts: an image is rendered as the family's single placeholder
+        rendered["content"] = [{"type": "image"} if part["type"] == "image" else part for part in content]
     return rendered
 
 
@@ -217,6 +221,32 @@ class TurnTokenizer:
         return text[at + len(_MARKER) :]
 
     # --- start-up checks -------------------------------------------------------------------------
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        return self._hf
+
+    def check_images(self, image_token_id: int) -> None:
+        """A vision-language template writes exactly one placeholder per image part, in a user message
+        and in a tool result, after a reply as on a first turn (SGLang expands single placeholders)."""
+        image = {"type": "image"}
+        cases = [
+            ("a user message", [{"role": "user", "content": [image, {"type": "text", "text": "x"}, image]}]),
+        ]
+        for what, new in cases:
+            try:
+                first = self.encode(self.render([*new], True)).count(image_token_id)
+                after = self.encode(self._tail([_PROBE_USER], new, None, None)).count(image_token_id)
+            except TemplateError:
+                raise
+            except Exception as exc:
+                raise TemplateError(f"the chat template cannot render images in {what}: {exc}") from exc
+            if first != 2 or after != 2:
+                raise TemplateError(
+                    f"the chat template renders two images in {what} as {first} and {after} image "
+                    "placeholders "
+                    f"(id {image_token_id}); one per image is needed"
+                )
 
     def _find_closer(self, kwargs: Mapping[str, Any]) -> int | None:
         """The special token the template closes every assistant reply with, whatever follows

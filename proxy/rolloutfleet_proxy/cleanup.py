@@ -3,7 +3,8 @@
 Order for every session that leaves: detach from the store (under the store lock), hand it to the
 storage (which snapshots it under its own lock and writes it in a worker thread, or drops it when
 there is no storage), then forget it with the reason the storage gives and journal its departure, or
-put it back if its write failed so nothing is lost and the next cycle retries.
+put it back if its write failed so nothing is lost and the next cycle retries. Each cycle then deletes
+the stored images nothing references any more.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from .failures import Failure
 from .heap import HeapTrimmer
@@ -33,7 +35,9 @@ class StaleSessionCleaner:
         gauges: Gauges,
         timeout_s: float,
         interval_s: float,
+        image_references: Callable[[], set[bytes]] = set,
     ):
+        self._image_references = image_references
         self._store = store
         self._storage = storage
         self._trimmer = trimmer
@@ -57,6 +61,18 @@ class StaleSessionCleaner:
                 log.error("departures of stale sessions not journaled (%s); they may be restored again", exc)
                 return
 
+    async def collect_images(self) -> int:
+        """Delete the images nothing references any more: no session held, no export batch not yet
+        acknowledged, no request in flight (its pins). Returns how many left."""
+        images = self._storage.images
+        if not len(images):
+            return 0
+        gone = images.unreferenced(self._image_references())
+        if gone:
+            await asyncio.to_thread(images.delete_files, gone)
+            self._counters.images_deleted += len(gone)
+        return len(gone)
+
     async def run_once(self) -> int:
         """Dump and evict every stale session; returns how many left memory."""
         started = time.monotonic()
@@ -78,6 +94,7 @@ class StaleSessionCleaner:
             await self._commit_ends(pending)
             evicted = len(written.done)
             del stale
+        await self.collect_images()
         # Trim when anything left memory since the last trim: stale dumps here, but also DELETEs and
         # export batches freed by an acknowledgement, an expiry or a drop.
         c = self._counters

@@ -127,9 +127,15 @@ def http_error(failure: f.Failure) -> ProxyError:
             return ProxyError(cause.status, cause.code, failure.message, cause.headers)
         case f.PauseOutlasted() | f.UpstreamAborted():
             return unavailable(failure.code, failure.message, 1)
-        case f.NoNewMessages() | f.NewMessagesTooLarge() | f.TemplateFailed() | f.UpstreamRefused():
+        case (
+            f.NoNewMessages()
+            | f.NewMessagesTooLarge()
+            | f.TemplateFailed()
+            | f.UpstreamRefused()
+            | f.ImageNotTaken()
+        ):
             return bad_request(failure.code, failure.message)
-        case f.UpstreamFailed():
+        case f.UpstreamFailed() | f.UpstreamImageMismatch():
             return ProxyError(502, failure.code, failure.message)
         case f.UpstreamTimedOut():
             return ProxyError(504, failure.code, failure.message)

@@ -27,6 +27,8 @@ class ExportBatch:
     created_at: float  # Unix seconds
     expires_at: float  # monotonic deadline for the acknowledgement
     writing: bool = field(default=False)  # being written to disk after its TTL ran out
+    # The images its samples hold: kept in the image store until the batch is acknowledged.
+    image_digests: frozenset[bytes] = field(default_factory=frozenset)
     acknowledged: bool = field(default=False)
 
     @property

@@ -235,6 +235,15 @@ class TemplateFailed(Failure):
     code = ErrorCode.TEMPLATE_ERROR
 
 
+class ImageNotTaken(Failure):
+    """An image part the proxy refuses (broken, too large, a format or a medium it does not take):
+    `code` says which. Nothing was recorded."""
+
+    def __init__(self, code: ErrorCode, message: str):
+        super().__init__(message)
+        self.code = code  # type: ignore[misc]  # per refusal, not per class
+
+
 class UpstreamAborted(Failure):
     code = ErrorCode.UPSTREAM_ABORTED
 
@@ -259,6 +268,13 @@ class UpstreamTimedOut(Failure):
     """SGLang did not answer within `upstream_timeout_s`: nothing was recorded."""
 
     code = ErrorCode.UPSTREAM_TIMEOUT
+
+
+class UpstreamImageMismatch(Failure):
+    """SGLang's expansion of the prompt's images disagrees with the model directory's processor, or
+    with the counts recorded on earlier turns: nothing was recorded."""
+
+    code = ErrorCode.UPSTREAM_IMAGE_MISMATCH
 
 
 class UpstreamRefused(Failure):

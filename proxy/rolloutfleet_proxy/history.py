@@ -5,20 +5,22 @@ them. Each turn the client sends the whole history (as OpenAI clients do); the r
 match the digest, and only the messages after it are tokenized. This keeps memory per session small
 and makes a client whose view diverged from the recorded trajectory fail loudly instead of silently.
 
-The digest covers what defines the conversation: role, content, name, tool calls (function name and
-arguments, compared as JSON values so key order and spacing do not matter) and the call a tool
-message answers. It leaves out `reasoning_content`: clients may send it back or drop it, and the
-recorded ids hold the reasoning the model generated either way.
+The digest covers what defines the conversation: role, content (an image by the sha256 of its bytes),
+name, tool calls (function name and arguments, compared as JSON values so key order and spacing do
+not matter) and the call a tool message answers. It leaves out `reasoning_content`: clients may send
+it back or drop it, and the recorded ids hold the reasoning the model generated either way.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import orjson
 from rolloutfleet_wire.session_record import EMPTY_DIGEST
+
+from .images import UNSUPPORTED_PARTS, image_part_source
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 # Deep enough for any real tool arguments, shallow enough that serializing them cannot hit orjson's
@@ -26,28 +28,78 @@ ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_JSON_DEPTH = 64
 
 
+# Messages whose content may hold images (as vision-language chat templates render them).
+IMAGE_ROLES = frozenset({"user", "tool"})
+IMAGE_PART = "image"  # a canonical image part: {"type": "image", "image": ImageSource | sha256 hex}
+
+
 class InvalidMessage(ValueError):
     pass
 
 
-def message_text(content: Any) -> str:
-    """Text of an OpenAI message content: a string or a list of text parts."""
+class UnsupportedContent(InvalidMessage):
+    """A content part the proxy does not take (video, audio, files)."""
+
+
+def message_content(content: Any, role: str) -> str | list[dict[str, Any]]:
+    """An OpenAI message content in canonical form: its text, or, when it holds images, its parts in
+    order (adjacent text parts joined, empty ones dropped; an image part holds its source until its
+    bytes are decoded, then its sha256 in hex)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if isinstance(content, list):
-        parts = []
-        for part in content:
-            if (
-                not isinstance(part, Mapping)
-                or part.get("type") != "text"
-                or not isinstance(part.get("text"), str)
-            ):
-                raise InvalidMessage("only text content parts are supported")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise InvalidMessage("message content must be a string or a list of text parts")
+    if not isinstance(content, list):
+        raise InvalidMessage("message content must be a string or a list of content parts")
+    parts: list[dict[str, Any]] = []
+    text: list[str] = []
+    for index, part in enumerate(content):
+        where = f"content[{index}]"
+        kind = part.get("type") if isinstance(part, Mapping) else None
+        if kind == "text" and isinstance(part.get("text"), str):  # type: ignore[union-attr]
+            text.append(part["text"])  # type: ignore[index]
+            continue
+        if kind == "image_url":
+            if role not in IMAGE_ROLES:
+                raise InvalidMessage(f"{where}: images are taken in user and tool messages only")
+            try:
+                source = image_part_source(dict(part), where)  # type: ignore[arg-type]
+            except ValueError as exc:
+                raise InvalidMessage(str(exc)) from None
+            if text:
+                parts.append({"type": "text", "text": "".join(text)})
+                text = []
+            parts.append({"type": IMAGE_PART, "image": source})
+            continue
+        if kind in UNSUPPORTED_PARTS:
+            raise UnsupportedContent(
+                f"{where}: {kind} parts are not supported: this proxy takes text and images (video and "
+                "audio are refused)"
+            )
+        raise InvalidMessage(f"{where}: a content part must be text or image_url")
+    joined = "".join(text)
+    if not parts:
+        return joined
+    if joined:
+        parts.append({"type": "text", "text": joined})
+    return parts
+
+
+def message_text(content: str | list[dict[str, Any]]) -> str:
+    """The text of a canonical content (images left out)."""
+    if isinstance(content, str):
+        return content
+    return "".join(part["text"] for part in content if part["type"] == "text")
+
+
+def image_parts(messages: Iterable[Mapping[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The image parts of canonical messages, in order."""
+    for message in messages:
+        content = message["content"]
+        if type(content) is not str:
+            for part in content:
+                if part["type"] == IMAGE_PART:
+                    yield part
 
 
 def json_depth_within(value: Any, limit: int = MAX_JSON_DEPTH) -> bool:
@@ -115,7 +167,7 @@ def canonical_message(message: Any) -> dict[str, Any]:
     content = message.get("content")
     canonical: dict[str, Any] = {
         "role": role,
-        "content": content if type(content) is str else message_text(content),
+        "content": content if type(content) is str else message_content(content, role),
     }
     if len(message) > 1 + ("content" in message):  # fields beyond role and content
         name = message.get("name")

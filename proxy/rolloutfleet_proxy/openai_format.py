@@ -12,7 +12,7 @@ from rolloutfleet_wire.errors import ErrorCode
 
 from .chat_tools import ToolSpec, check_tool_results, parse_tools, template_kwargs
 from .errors import bad_request, not_a_json_object
-from .history import InvalidMessage, canonical_message
+from .history import InvalidMessage, UnsupportedContent, canonical_message
 from .replies import Reply
 
 
@@ -81,6 +81,8 @@ def parse_chat_request(
         raise bad_request(ErrorCode.INVALID_MESSAGES, "messages must be a non-empty list")
     try:
         canonical = [canonical_message(m) for m in messages]
+    except UnsupportedContent as exc:
+        raise bad_request(ErrorCode.UNSUPPORTED_CONTENT, str(exc)) from None
     except InvalidMessage as exc:
         raise bad_request(ErrorCode.INVALID_MESSAGES, str(exc)) from None
     check_tool_results(canonical)

@@ -10,6 +10,8 @@ import gc
 import logging
 from typing import Any
 
+from rolloutfleet_wire import session_tree as tree
+
 from .admission import AdmissionLimits
 from .chat_tokens import TurnTokenizer
 from .cleanup import StaleSessionCleaner
@@ -17,6 +19,7 @@ from .export_buffer import ExportBuffer
 from .exports import ExportService
 from .generation import GenerationControl
 from .heap import HeapTrimmer
+from .image_intake import ImageIntake
 from .lifecycle import InFlightTurns, Lifecycle
 from .looplag import LoopLagMonitor
 from .model_version import ModelVersions, persisted_state
@@ -30,6 +33,7 @@ from .storage import DumpStorage, NoStorage, Storage
 from .store import SessionStore
 from .turns import TurnLimits, TurnService
 from .upstream import SGLangClient
+from .vision import load_vision_model, takes_images
 
 log = logging.getLogger("rolloutfleet.proxy")
 
@@ -46,6 +50,9 @@ class ProxyRuntime:
             settings.max_staleness, settings.staleness_batch_share, settings.max_concurrent_sessions
         )
         self.store = SessionStore(settings.tombstone_capacity, self.admission)
+        # A model directory with an image processor takes images (bodies then have room for them).
+        self.takes_images = takes_images(settings.tokenizer_path)
+        self.max_body_bytes = settings.body_limit(self.takes_images)
         self.generation = GenerationControl(settings.paused_turn_timeout_s)
         self.storage = self._choose_storage(settings)
         self.exports = ExportService(
@@ -75,6 +82,7 @@ class ProxyRuntime:
             self.gauges,
             timeout_s=settings.stale_session_timeout_s,
             interval_s=settings.cleanup_interval_s,
+            image_references=self._image_references,
         )
         self.tokenizer = tokenizer
         self.upstream: SGLangClient | None = None
@@ -153,6 +161,16 @@ class ProxyRuntime:
         tasks += self.storage.background_tasks(self._cycle_lock, draining)
         return {task.name: task for task in tasks}
 
+    def _image_references(self) -> set[bytes]:
+        """The images that must stay: those of every session held and of every batch not acknowledged."""
+        referenced: set[bytes] = set()
+        for session in self.store.all_sessions():
+            if session.image_digests:
+                referenced |= tree.image_digests_of(session)
+        for batch in self.exports.buffer:
+            referenced |= batch.image_digests
+        return referenced
+
     async def _log_stats(self) -> None:
         log.info("stats", extra={"fields": self.stats()})
 
@@ -172,10 +190,18 @@ class ProxyRuntime:
                 tool_results=self.settings.tool_call_parser is not None,
                 default_kwargs=self.settings.chat_template_kwargs,
             )
+        vision = None
+        if self.takes_images:
+            vision = await asyncio.to_thread(
+                load_vision_model, self.settings.tokenizer_path, self.tokenizer.hf_tokenizer
+            )
+            self.tokenizer.check_images(vision.image_token_id)
+        await asyncio.to_thread(self.storage.images.load)
         self.upstream = SGLangClient(
             self.settings.upstream_url,
             self.settings.upstream_timeout_s,
             self.settings.upstream_max_connections,
+            self.storage.images,
         )
         self.turns = TurnService(
             self.store,
@@ -194,10 +220,12 @@ class ProxyRuntime:
                 self.settings.abort_ride_through_s,
             ),
             self.request_heap_trim,
+            ImageIntake(self.storage.images, self.settings.image_limits(), vision, self.counters),
         )
         self.versions.restore(await self.storage.restore_state())
         await self._restore_sessions()
         await self.exports.restore()
+        await self.cleaner.collect_images()  # what a crash left unreferenced (a failed turn's images)
         self.versions.rebase_after_restore()
         for task in self.background.values():
             task.start()

@@ -14,6 +14,7 @@ from rolloutfleet_wire import session_tree as tree
 from rolloutfleet_wire.session_record import (
     DIGEST_BYTES,
     FINISH_UNKNOWN,
+    IMAGE_FIELDS,
     NO_DIGEST,
     NO_STOP_TOKEN,
     RECORD_FIELDS,
@@ -21,7 +22,9 @@ from rolloutfleet_wire.session_record import (
     TURN_BOUND_FIELDS,
     UNKNOWN_TEMPERATURE,
     UNKNOWN_VERSION,
+    ImageSpan,
     SessionRecord,
+    image_spans,
     token_versions,
 )
 
@@ -70,6 +73,19 @@ class RecordedTurn:
     created: float = 0.0  # unix time of the reply
     stop_string: str | None = None
     idempotency_key: str | None = None  # the key's digest (hex), on a call's first turn
+    # The images among new_input_ids, offsets into new_input_ids, in order (vision-language models).
+    images: tuple[ImageSpan, ...] = ()
+
+
+def check_images(images: Sequence[ImageSpan], input_length: int) -> None:
+    """Images lie inside the prompt ids they come with, in order, without overlapping."""
+    end = 0
+    for image in images:
+        if image.offset < end or image.tokens < 1 or image.offset + image.tokens > input_length:
+            raise ValueError(f"image of {image.tokens} tokens at {image.offset} is not inside the new input")
+        if len(image.digest) != DIGEST_BYTES or min(image.grid) < 1:
+            raise ValueError("an image needs a sha256 digest and a grid of positive sizes")
+        end = image.offset + image.tokens
 
 
 def _owned(value: Any) -> Any:
@@ -161,6 +177,7 @@ class Session(SessionRecord):
         for name in ("history_digest", "request_digest"):
             if len(getattr(turn, name)) != DIGEST_BYTES:
                 raise ValueError(f"{name} must be {DIGEST_BYTES} bytes")
+        check_images(turn.images, len(turn.new_input_ids))
         call = index if turn.call is None else turn.call
         input_start = len(self.token_ids)
         output_start = input_start + len(turn.new_input_ids)
@@ -189,6 +206,11 @@ class Session(SessionRecord):
         self.turn_finishes.append(turn.finish)
         self.turn_flags.append(turn.flags)
         self.turn_created.append(turn.created)
+        for image in turn.images:
+            self.image_spans.extend(
+                (input_start + image.offset, image.tokens, image.grid_t, image.grid_h, image.grid_w)
+            )
+            self.image_digests.frombytes(image.digest)
         if turn.stop_string:
             self.turn_stop_strings[index] = turn.stop_string
         if turn.idempotency_key:
@@ -231,6 +253,7 @@ class Session(SessionRecord):
             len(self.token_ids),
             len(self.turn_bounds),
             len(self.version_changes),
+            len(self.image_spans),
             dict(self.idempotency_keys),
             self.message_count,
             self.history_digest,
@@ -241,7 +264,7 @@ class Session(SessionRecord):
     def rollback(self, mark: tuple) -> int:
         """Undo the turns appended since `mark` (their record could not be made durable); returns the
         number of tokens removed."""
-        tokens, bounds, changes, keys, *rest = mark
+        tokens, bounds, changes, images, keys, *rest = mark
         removed = len(self.token_ids) - tokens
         turns = bounds // TURN_BOUND_FIELDS
         for values, length in (
@@ -250,6 +273,8 @@ class Session(SessionRecord):
             (self.logprobs, tokens),
             (self.turn_bounds, bounds),
             (self.version_changes, changes),
+            (self.image_spans, images),
+            (self.image_digests, images // IMAGE_FIELDS * DIGEST_BYTES),
         ):
             del values[length:]
         for name in PER_TURN_ARRAYS:
@@ -308,4 +333,9 @@ class Session(SessionRecord):
             "turn_parents": self.turn_parents.tolist(),
             "turn_calls": self.turn_calls.tolist(),
             "leaves": tree.leaves(self),
+            # The path's images: where each one's tokens start in input_ids, how many, its grid.
+            "images": [
+                {"offset": i.offset, "tokens": i.tokens, "grid_thw": list(i.grid), "sha256": i.digest.hex()}
+                for i in image_spans(path)
+            ],
         }

@@ -15,6 +15,8 @@ from rolloutfleet_wire import fleet_defaults as fleet
 from rolloutfleet_wire.proxy_settings import ENV_PREFIX, INJECTED_SETTINGS
 from rolloutfleet_wire.proxy_settings import env_var_name as contract_env_var_name
 
+from .images import DEFAULT_FORMATS, KNOWN_FORMATS, ImageLimits
+
 
 class ProxySettings(BaseSettings):
     """Configuration of one proxy process (CLI flag > environment variable > default)."""
@@ -86,6 +88,29 @@ class ProxySettings(BaseSettings):
         ge=0,
         description="New-message text from which templating and tokenizing run in a worker thread, so "
         "the event loop keeps serving other sessions (smaller turns run inline: a thread hop costs more).",
+    )
+
+    max_image_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Largest image (decoded bytes) a message may carry; beyond it 400 image_too_large.",
+    )
+    max_request_image_bytes: int = Field(
+        32 * 1024 * 1024,
+        ge=1024,
+        description="Most image bytes (decoded) of one request, its history's images included; beyond it "
+        "400 image_too_large. With a vision-language model the body limit grows by its base64 size "
+        "(4/3 of it) over max_body_bytes.",
+    )
+    image_formats: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_FORMATS),
+        description="Image formats taken (Pillow's names in lower case: png, jpeg, webp, gif, bmp, tiff); "
+        "others get 400 invalid_image.",
+    )
+    fetch_image_urls: bool = Field(
+        False,
+        description="Fetch http(s) image URLs (off: a rollout must be reproducible, so such images get "
+        "400 unsupported_content; send data URIs or base64).",
     )
 
     max_branches_per_session: int = Field(
@@ -188,6 +213,29 @@ class ProxySettings(BaseSettings):
     rss_soft_limit_bytes: int = Field(
         0, ge=0, description="RSS from which new sessions get 503, so load shifts to siblings (0: off)."
     )
+
+    @field_validator("image_formats")
+    @classmethod
+    def _known_image_formats(cls, formats: list[str]) -> list[str]:
+        names = [name.strip().lower() for name in formats]
+        unknown = sorted(set(names) - KNOWN_FORMATS)
+        if unknown or not names:
+            raise ValueError(f"image formats must be among {sorted(KNOWN_FORMATS)}, got {formats}")
+        return names
+
+    def body_limit(self, takes_images: bool) -> int:
+        """The largest request body: with images, room for the request's images in base64 as well."""
+        if not takes_images:
+            return self.max_body_bytes
+        return self.max_body_bytes + (self.max_request_image_bytes + 2) // 3 * 4
+
+    def image_limits(self) -> ImageLimits:
+        return ImageLimits(
+            self.max_image_bytes,
+            self.max_request_image_bytes,
+            frozenset(self.image_formats),
+            self.fetch_image_urls,
+        )
 
     @field_validator("tool_call_parser")
     @classmethod

@@ -55,6 +55,11 @@ class Counters:
     compactions: int = 0  # journal compactions that retired their segments
     compaction_failures: int = 0
     sessions_lost: int = 0  # journaled sessions a restore could not rebuild (answer 410 session_lost)
+    images_received: int = 0  # image parts of requests (history included), decoded and named
+    images_stored: int = 0  # distinct images written to the image store (new to this proxy)
+    image_bytes_stored: int = 0
+    images_deleted: int = 0  # left the store: nothing referenced them any more
+    image_mismatches: int = 0  # turns failed because the engine expanded images otherwise (502)
 
 
 @dataclass

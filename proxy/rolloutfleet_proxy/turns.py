@@ -26,6 +26,7 @@ from rolloutfleet_wire.session_record import (
     FLAG_PROMPT_OPENS_REASONING,
     NO_STOP_TOKEN,
     ROOT,
+    ImageSpan,
 )
 
 from .branching import Placement, attach, message_digests, place
@@ -54,17 +55,22 @@ from .failures import (
     TooManyBranches,
     TurnInFlight,
     UpstreamAborted,
+    UpstreamImageMismatch,
 )
 from .generation import GenerationControl
-from .history import extend_digest, tools_digest
+from .history import extend_digest, image_parts, message_text, tools_digest
+from .image_intake import ImageIntake
+from .image_tokens import collapse, expand, expansion_problem, placeholder_offsets
+from .images import ImageLimits
 from .lifecycle import CancelCause, InFlightTurns
 from .openai_format import ChatRequest
 from .replies import Reply, ReplyBuilder, prompt_opens_reasoning
 from .session import RecordedTurn, Session
 from .stats import Counters
 from .storage import Pending, Storage
+from .storage.images import ImageStore
 from .store import SessionStore
-from .upstream import SGLangClient
+from .upstream import Generation, SGLangClient
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,8 @@ def message_text_bytes(messages: list[dict], stop_after: int | None = None) -> i
             value = message.get(key)
             if isinstance(value, str):
                 total += len(value)
+            elif key == "content" and value:  # parts: their text (images are bounded apart)
+                total += len(message_text(value))
         for call in message.get("tool_calls") or ():
             total += len(str(call))
         if stop_after is not None and total > stop_after:
@@ -116,11 +124,29 @@ class NewInput:
     """What a request adds to its session's tree, before the engine answers."""
 
     placement: Placement
-    ids: array  # the prompt ids after the base's reply (the whole prompt at the root)
+    ids: array  # the prompt ids after the base's reply (the whole prompt at the root), images expanded
     text: str  # their rendered text
     parent: int
     keep: int
     own_ids: array  # the part of `ids` not already stored under `parent`
+    images: tuple[ImageSpan, ...] = ()  # the new messages' images, offsets into `ids`
+    own_images: tuple[ImageSpan, ...] = ()  # those among `own_ids`, offsets into `own_ids`
+
+
+@dataclass(frozen=True)
+class EnginePrompt:
+    """A turn's prompt as the engine gets it and as it is recorded. Without images both are the same
+    ids; with images the engine gets one placeholder per image and every image of the prompt in order,
+    and must answer that it expanded them to `expanded` (what is recorded)."""
+
+    ids: array
+    expanded: array
+    images: list[ImageSpan]  # offsets into `expanded`
+    recorded_images: int  # the first ones, recorded on earlier turns
+
+    @property
+    def digests(self) -> list[bytes]:
+        return [image.digest for image in self.images]
 
 
 def _ms(start: float, end: float) -> float:
@@ -156,8 +182,13 @@ class TurnService:
         engine_logprobs: str = "tempered",
         limits: TurnLimits | None = None,
         after_large_turn: Callable[[], None] | None = None,
+        intake: ImageIntake | None = None,
     ):
         self._limits = limits or TurnLimits()
+        # Without one (text-only tests): images are refused, as for a model directory without images.
+        self._intake = intake or ImageIntake(ImageStore(None), ImageLimits(), None, counters)
+        self._vision = self._intake.vision
+        self._image_store = self._intake.store
         self._after_large_turn = after_large_turn
         self._engine_logprobs = engine_logprobs
         self._storage = storage
@@ -198,9 +229,68 @@ class TurnService:
             raise TemplateFailed(str(exc)) from None
         except Exception as exc:  # jinja raise_exception and friends: the messages do not fit the template
             raise TemplateFailed(f"chat template failed on these messages: {exc}") from None
-        parent, keep = attach(session, placement.base, ids)
-        own = ids[keep - tree.path_length(session, placement.base) :]
-        return NewInput(placement, ids, text, parent, keep, own)
+        images: list[ImageSpan] = []
+        if self._vision is not None:
+            ids, images = self._expand_images(ids, [bytes.fromhex(p["image"]) for p in image_parts(new)])
+        parent, keep = attach(session, placement.base, ids, images)
+        cut = keep - tree.path_length(session, placement.base)
+        own = ids[cut:]
+        own_images = tuple(i._replace(offset=i.offset - cut) for i in images if i.offset >= cut)
+        return NewInput(placement, ids, text, parent, keep, own, tuple(images), own_images)
+
+    def _expand_images(self, ids: array, digests: list[bytes]) -> tuple[array, list[ImageSpan]]:
+        """The new ids with each image's placeholder expanded to the token count the model directory's
+        image processor gives it (checked against the engine's answer before anything is recorded)."""
+        vision = self._vision
+        assert vision is not None
+        placeholders = placeholder_offsets(ids, vision.image_token_id)
+        if len(placeholders) != len(digests):
+            raise TemplateFailed(
+                f"the chat template rendered {len(placeholders)} image placeholders for the {len(digests)} "
+                "images of the new messages (one per image is needed; an image placeholder written as "
+                "text counts too)"
+            )
+        counted = []
+        for digest in digests:
+            info = self._image_store.info(digest)
+            grid = vision.grid(info.width, info.height)
+            counted.append((vision.tokens(grid), *grid, digest))
+        return expand(ids, vision.image_token_id, counted)
+
+    def engine_prompt(self, session: Session, new: NewInput) -> EnginePrompt:
+        """The whole prompt of a new input: the base's path (a copy, a memcpy per piece) then the new
+        ids; with images, collapsed to one placeholder per image for the engine."""
+        base = new.placement.base
+        expanded = tree.path_ids(session, base)
+        offset = len(expanded)
+        expanded.extend(new.ids)
+        recorded = tree.path_images(session, base)
+        if not recorded and not new.images:
+            return EnginePrompt(expanded, expanded, [], 0)
+        images = recorded + [i._replace(offset=i.offset + offset) for i in new.images]
+        return EnginePrompt(collapse(expanded, images), expanded, images, len(recorded))
+
+    def _check_expansion(self, prompt: EnginePrompt, generation: Generation) -> None:
+        """The engine expanded the prompt's images as recorded and as the processor says, or the turn
+        fails (nothing recorded): ids whose image runs differ from their images' grids cannot be
+        trained on."""
+        if not prompt.images or self._vision is None:
+            return
+        answered = generation.prompt_token_ids
+        if answered is not None:
+            problem = expansion_problem(
+                answered, prompt.expanded, prompt.images, prompt.recorded_images, self._vision.image_token_id
+            )
+            if problem:
+                self._counters.image_mismatches += 1
+                raise UpstreamImageMismatch(problem)
+        elif generation.prompt_tokens and generation.prompt_tokens != len(prompt.expanded):
+            # An engine or gateway that does not answer prompt_token_ids: its count must agree.
+            self._counters.image_mismatches += 1
+            raise UpstreamImageMismatch(
+                f"the engine counted {generation.prompt_tokens} prompt tokens; with its images expanded as "
+                f"the model directory's preprocessor_config.json says the prompt has {len(prompt.expanded)}"
+            )
 
     def _replay(self, session: Session, request: ChatRequest, digest: bytes) -> TurnResult | None:
         """The recorded answer of this request when it is a retry: the call its Idempotency-Key
@@ -281,26 +371,37 @@ class TurnService:
             if session.closed:
                 raise SessionEnded(session.session_id, session.close_reason)
             session.touch()
-            planned = await self._new_input(session, request)
-            if isinstance(planned, TurnResult):
-                self._counters.turns_replayed += 1
-                return planned
-            if session.finished:
-                raise SessionFinished(session.session_id)
-            new = planned
-            self._check_branch_limit(session, new, request.n)
-            prompt = tree.path_ids(session, new.placement.base)  # a copy (memcpy per piece)
-            prompt.extend(new.ids)
-            t_up = time.perf_counter()
-            timings["tokenize_ms"] = _ms(t_tok, t_up)
-            samples, paused_s = await self._call_upstream(session, prompt, request.sampling_params, request.n)
-            t_rec = time.perf_counter()
-            if paused_s > 0:
-                timings["pause_wait_ms"] = round(paused_s * 1000, 3)
-            timings["upstream_ms"] = round(_ms(t_up, t_rec) - paused_s * 1000, 3)
-            result = await self._record(session, request, new, samples, len(prompt), timings)
-            timings["record_ms"] = _ms(t_rec, time.perf_counter())
-            return result
+            # Images first (decoded, named and stored off the loop): history matching compares digests.
+            pinned = await self._intake.take(request)
+            try:
+                if pinned.digests:
+                    timings["images_ms"] = _ms(t_tok, time.perf_counter())
+                return await self._planned_turn(session, request, timings, t_tok)
+            finally:
+                self._intake.release(pinned)
+
+    async def _planned_turn(
+        self, session: Session, request: ChatRequest, timings: dict[str, float], t_tok: float
+    ) -> TurnResult:
+        planned = await self._new_input(session, request)
+        if isinstance(planned, TurnResult):
+            self._counters.turns_replayed += 1
+            return planned
+        if session.finished:
+            raise SessionFinished(session.session_id)
+        new = planned
+        self._check_branch_limit(session, new, request.n)
+        prompt = self.engine_prompt(session, new)
+        t_up = time.perf_counter()
+        timings["tokenize_ms"] = _ms(t_tok, t_up)
+        samples, paused_s = await self._call_upstream(session, prompt, request.sampling_params, request.n)
+        t_rec = time.perf_counter()
+        if paused_s > 0:
+            timings["pause_wait_ms"] = round(paused_s * 1000, 3)
+        timings["upstream_ms"] = round(_ms(t_up, t_rec) - paused_s * 1000, 3)
+        result = await self._record(session, request, new, samples, len(prompt.expanded), timings)
+        timings["record_ms"] = _ms(t_rec, time.perf_counter())
+        return result
 
     async def _record(
         self,
@@ -335,9 +436,9 @@ class TurnService:
                     f"{session.session_id}/{turn_index}",
                 )
                 if index == 0:
-                    parent, keep, own = new.parent, new.keep, new.own_ids
+                    parent, keep, own, own_images = new.parent, new.keep, new.own_ids, new.own_images
                 else:  # the same prompt as the first sample: stored once, under it
-                    parent, keep, own = call, new.keep + len(new.own_ids), array("i")
+                    parent, keep, own, own_images = call, new.keep + len(new.own_ids), array("i"), ()
                 recorded = RecordedTurn(
                     own,
                     generation.output_ids,
@@ -359,6 +460,7 @@ class TurnService:
                     created=created,
                     stop_string=generation.stop_string,
                     idempotency_key=key if index == 0 else None,
+                    images=own_images,
                 )
                 self._store.record_growth(session.append_turn(recorded))
                 # In the append's synchronous step: the journal's order is the order of the changes.
@@ -389,7 +491,7 @@ class TurnService:
         return TurnResult(call, choices, prompt_tokens, created)
 
     async def _generate(
-        self, prompt: array, sampling: dict, session: Session, n: int
+        self, prompt: EnginePrompt, sampling: dict, session: Session, n: int
     ) -> tuple[list[MergedTurn], float]:
         """Pass the pause gate, then generate n samples; an aborted sample passes the gate again (so it
         waits for the resume) and continues with its tokens kept. Returns the samples and the seconds
@@ -402,13 +504,19 @@ class TurnService:
             paused_total += paused_s
             try:
                 if n == 1:
-                    first = [await self._upstream.generate(prompt, sampling, session.session_id, f"{rid}-0")]
+                    first = [
+                        await self._upstream.generate(
+                            prompt.ids, sampling, session.session_id, f"{rid}-0", prompt.digests
+                        )
+                    ]
                 else:
                     first = await self._upstream.generate_samples(
-                        prompt, sampling, n, session.session_id, f"{rid}-0"
+                        prompt.ids, sampling, n, session.session_id, f"{rid}-0", prompt.digests
                     )
             finally:
                 self._generation.leave()
+            for generation in first:
+                self._check_expansion(prompt, generation)
             for segments, generation in zip(sample_segments, first, strict=True):
                 segments.append(Segment(generation, engine_version(generation.weight_version, proxy_version)))
             for index, segments in enumerate(sample_segments):
@@ -430,7 +538,7 @@ class TurnService:
         return merged, paused_total
 
     async def _ride_through_aborts(
-        self, prompt: array, sampling: dict, session: Session, segments: list[Segment], rid: str
+        self, prompt: EnginePrompt, sampling: dict, session: Session, segments: list[Segment], rid: str
     ) -> float:
         """Resubmit a sample the engine aborted, with every token made so far, until it finishes. A
         trainer aborts the engine around weight updates without telling the proxy: while aborts make
@@ -438,7 +546,7 @@ class TurnService:
         (`abort_backoff_s`), and the turn fails only when the engine has not finished it within
         `abort_ride_through_s` of the first abort. Returns the seconds held at the proxy's own gate."""
         aborted = segments[-1].generation.aborted
-        request = continuation_request(prompt, sampling, segments) if aborted else None
+        request = continuation_request(prompt.ids, sampling, segments) if aborted else None
         started = time.monotonic()
         idle_aborts = 0
         paused_s = 0.0
@@ -453,16 +561,16 @@ class TurnService:
             paused_s += waited
             try:
                 generation = await self._upstream.generate(
-                    request[0], request[1], session.session_id, f"{rid}-{len(segments)}"
+                    request[0], request[1], session.session_id, f"{rid}-{len(segments)}", prompt.digests
                 )
             finally:
                 self._generation.leave()
             segments.append(Segment(generation, engine_version(generation.weight_version, proxy_version)))
-            request = continuation_request(prompt, sampling, segments) if generation.aborted else None
+            request = continuation_request(prompt.ids, sampling, segments) if generation.aborted else None
         return paused_s
 
     async def _call_upstream(
-        self, session: Session, prompt: array, sampling: dict, n: int
+        self, session: Session, prompt: EnginePrompt, sampling: dict, n: int
     ) -> tuple[list[MergedTurn], float]:
         # One task for the wait at the gate and the call: a DELETE, the drain or a departed client
         # cancels either, which closes the upstream connection and so aborts the engine's request.

@@ -12,6 +12,7 @@ import numpy as np
 import orjson
 
 from .failures import ContextLengthExceeded, Failure, SamplingRefused, UpstreamFailed, UpstreamTimedOut
+from .storage.images import ImageStore
 
 # sglang-router's `manual` policy routes requests with the same key to the same engine.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -30,6 +31,8 @@ class Generation:
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache already held
     abort_message: str | None = None  # set when finish_reason is "abort": the engine stopped early
     rid: str | None = None  # SGLang's meta_info.id: the engine request (a sample's own rid, in a group)
+    # The prompt ids as the engine expanded them (`return_prompt_token_ids`, asked with images).
+    prompt_token_ids: array | None = None
 
     @property
     def aborted(self) -> bool:
@@ -119,6 +122,12 @@ def _generation(answer: object) -> Generation:
     text = answer.get("text", "")
     if not isinstance(text, str):
         raise UpstreamFailed("upstream text is not a string")
+    prompt_ids = answer.get("prompt_token_ids")
+    if prompt_ids is not None:
+        try:
+            prompt_ids = array("i", prompt_ids)
+        except (TypeError, OverflowError):
+            raise UpstreamFailed("upstream prompt_token_ids are not token ids") from None
     return Generation(
         output_ids=array("i", output_ids),
         logprobs=logprobs,
@@ -131,7 +140,12 @@ def _generation(answer: object) -> Generation:
         cached_tokens=_count(meta.get("cached_tokens")),
         abort_message=abort_message,
         rid=rid if isinstance(rid, str) else None,
+        prompt_token_ids=prompt_ids,
     )
+
+
+def _data_uri_head(media_type: str) -> bytes:
+    return b'"data:' + media_type.encode() + b";base64,"
 
 
 def _count(value: object) -> int:
@@ -142,8 +156,11 @@ class SGLangClient:
     """aiohttp, not httpx: under a few hundred concurrent turns httpcore's pool scanned every
     connection on each request and the proxy spent ~79% of its CPU there (py-spy, bench/overhead.py)."""
 
-    def __init__(self, base_url: str, timeout_s: float, max_connections: int):
+    def __init__(
+        self, base_url: str, timeout_s: float, max_connections: int, images: ImageStore | None = None
+    ):
         self._url = base_url.rstrip("/") + "/generate"
+        self._images = images
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(10.0, timeout_s))
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
@@ -167,11 +184,15 @@ class SGLangClient:
         sampling_params: dict[str, Any],
         routing_key: str | None = None,
         rid: str | None = None,
+        images: Sequence[bytes] = (),
     ) -> Generation:
         """One `/generate`. `routing_key` (the session id) goes in `X-SMG-Routing-Key`, the header
         sglang-router's `manual` policy routes by, so a session's turns stay on one engine's prefix
-        cache. `rid` names the request on the engine (its logs, `/abort_request`)."""
-        return parse_generate_answer(await self._post_generate(input_ids, sampling_params, routing_key, rid))
+        cache. `rid` names the request on the engine (its logs, `/abort_request`). `images`: the
+        digests of every image of the prompt, in order (one placeholder each in `input_ids`)."""
+        return parse_generate_answer(
+            await self._post_generate(input_ids, sampling_params, routing_key, rid, images)
+        )
 
     async def generate_samples(
         self,
@@ -180,6 +201,7 @@ class SGLangClient:
         n: int,
         routing_key: str | None = None,
         rid: str | None = None,
+        images: Sequence[bytes] = (),
     ) -> list[Generation]:
         """n samples of one prompt in ONE `/generate` with `sampling_params.n` (a GRPO group), in
         SGLang's sample order. SGLang batches them itself (`TokenizerManager._handle_batch_request`):
@@ -196,7 +218,9 @@ class SGLangClient:
         params = {key: value for key, value in sampling_params.items() if key != "n"}
         if n > 1:
             params["n"] = n
-        return parse_generate_samples(await self._post_generate(input_ids, params, routing_key, rid), n)
+        return parse_generate_samples(
+            await self._post_generate(input_ids, params, routing_key, rid, images), n
+        )
 
     async def _post_generate(
         self,
@@ -204,8 +228,11 @@ class SGLangClient:
         sampling_params: dict[str, Any],
         routing_key: str | None,
         rid: str | None,
+        images: Sequence[bytes] = (),
     ) -> bytes:
-        """POST /generate (non-streaming, output logprobs); the body of a 200, else the upstream's failure."""
+        """POST /generate (non-streaming, output logprobs); the body of a 200, else the upstream's failure.
+        With images, `image_data` lists each as a data URI, streamed from the image store (one piece of
+        one image in memory at a time), and the engine answers the prompt ids it expanded."""
         request: dict[str, Any] = {
             # An int32 array goes out through numpy: no Python int per token for long prompts.
             "input_ids": np.frombuffer(input_ids, dtype=np.int32)
@@ -218,12 +245,18 @@ class SGLangClient:
         }
         if rid is not None:
             request["rid"] = rid
+        if images:
+            request["return_prompt_token_ids"] = True
         payload = orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
+        headers = {"content-type": "application/json"}
+        if routing_key is not None:
+            headers[ROUTING_KEY_HEADER] = routing_key
+        data: Any = payload
+        if images:
+            data, length = self._with_images(payload, images)
+            headers["content-length"] = str(length)
         try:
-            headers = {"content-type": "application/json"}
-            if routing_key is not None:
-                headers[ROUTING_KEY_HEADER] = routing_key
-            async with self._client().post(self._url, data=payload, headers=headers) as response:
+            async with self._client().post(self._url, data=data, headers=headers) as response:
                 body = await response.read()
                 status = response.status
         except TimeoutError:
@@ -236,3 +269,25 @@ class SGLangClient:
             snippet = body[:300].decode(errors="replace")
             raise UpstreamFailed(f"upstream /generate answered {status}: {snippet}")
         return body
+
+    def _with_images(self, payload: bytes, images: Sequence[bytes]) -> tuple[Any, int]:
+        """The request body with `image_data` appended, as an async iterable, and its length."""
+        store = self._images
+        if store is None:
+            raise UpstreamFailed("this proxy has no image store")
+        infos = [store.info(digest) for digest in images]
+        head = payload[:-1] + b',"image_data":['
+        length = len(head) + len(b"]}") + len(infos) - 1
+        for info in infos:
+            length += len(_data_uri_head(info.media_type)) + 4 * ((info.size + 2) // 3) + 1
+
+        async def body():
+            yield head
+            for index, info in enumerate(infos):
+                yield (b"," if index else b"") + _data_uri_head(info.media_type)
+                async for piece in store.base64_chunks(info.digest):
+                    yield piece
+                yield b'"'
+            yield b"]}"
+
+        return body(), length

@@ -48,7 +48,7 @@ def documented_default(value: object) -> str:
         return "unset"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
-    return f"`{json.dumps(value) if isinstance(value, dict) else value}`"
+    return f"`{json.dumps(value) if isinstance(value, dict | list) else value}`"
 
 
 def test_the_documented_defaults_are_the_settings(doc):

@@ -28,7 +28,8 @@ def test_every_failure_maps_to_its_code_and_a_client_status(kind):
         failure.code = ErrorCode.BATCH_EXPIRED  # a code per instance
     answer = http_error(failure)
     assert answer.code is failure.code and answer.message == "why"
-    gateway = kind in (failures.UpstreamFailed, failures.UpstreamTimedOut)  # SGLang's failures: 502, 504
+    # SGLang's failures: 502, 504
+    gateway = kind in (failures.UpstreamFailed, failures.UpstreamTimedOut, failures.UpstreamImageMismatch)
     assert 400 <= answer.status < 500 or answer.status == 503 or (gateway and answer.status in (502, 504))
     assert ("Retry-After" in answer.headers) == (answer.status == 503 or kind is failures.SessionBeingWritten)
 

@@ -47,7 +47,9 @@ def test_canonical_message_drops_null_fields_and_joins_text_parts():
         {"content": "x"},
         "text",
         {"role": "user", "content": 5},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {}}]},  # no url
+        {"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]},
+        {"role": "assistant", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
     ],
 )
 def test_canonical_message_rejects_invalid(message):

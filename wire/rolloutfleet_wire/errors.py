@@ -47,6 +47,12 @@ class ErrorCode(StrEnum):
     UNKNOWN_TOOL_CALL_ID = "unknown_tool_call_id"  # 400
     NO_NEW_MESSAGES = "no_new_messages"  # 400: nothing after the recorded history
     NEW_MESSAGES_TOO_LARGE = "new_messages_too_large"  # 400
+    # Images (vision-language models): a broken or unreadable image, or a format not allowed; one over
+    # max_image_bytes or a request's images over max_request_image_bytes; video, audio or file parts,
+    # http(s) URLs when fetching is off, or images sent to a model directory without images.
+    INVALID_IMAGE = "invalid_image"  # 400
+    IMAGE_TOO_LARGE = "image_too_large"  # 400
+    UNSUPPORTED_CONTENT = "unsupported_content"  # 400
     # No longer sent: a history that differs from the recorded one starts a branch (kept because codes
     # are never reused).
     HISTORY_MISMATCH = "history_mismatch"
@@ -59,6 +65,10 @@ class ErrorCode(StrEnum):
     UPSTREAM_ABORTED = "upstream_aborted"  # 503: SGLang aborted the turn too often; nothing was recorded
     UPSTREAM_ERROR = "upstream_error"  # 502: SGLang failed or answered nonsense; nothing was recorded
     UPSTREAM_TIMEOUT = "upstream_timeout"  # 504: SGLang did not answer within upstream_timeout_s
+    # 502: SGLang expanded an image to another token count than the model directory's image processor
+    # gives (the engine runs with another processor configuration), or changed an earlier image's
+    # count: the trajectory could not be trained on; nothing was recorded. Not retryable.
+    UPSTREAM_IMAGE_MISMATCH = "upstream_image_mismatch"
     # 499 (nginx's "client closed request"): the client went away during its turn, which was cancelled
     # unrecorded; nobody reads this answer, the access log and the counters do.
     CLIENT_CLOSED_REQUEST = "client_closed_request"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import bisect
 from array import array
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 # The digest of an empty message history (a session before its first turn).
 EMPTY_DIGEST = b"\x00" * 32
@@ -36,6 +36,27 @@ FLAG_PROMPT_OPENS_REASONING = 1  # the generation prompt ended inside a reasonin
 # turn (or the next change) the tokens were generated under that version. Only turns that span a
 # weight update have any, so the common case costs nothing per token.
 VERSION_CHANGE_FIELDS = 2
+# image_spans holds IMAGE_FIELDS ints per image of a prompt (vision-language models): the absolute
+# offset of its first image token in token_ids, its token count (the run of placeholder tokens the
+# engine expanded it to), and its grid (t, h, w) in patches; image_digests the sha256 of its bytes
+# (DIGEST_BYTES each), in the same order: recording order, so offsets ascend.
+IMAGE_FIELDS = 5
+
+
+class ImageSpan(NamedTuple):
+    """One image of a prompt: where its tokens start (`offset`, in the coordinates of the ids it is
+    given with), how many there are, its grid in patches and the sha256 of its bytes."""
+
+    offset: int
+    tokens: int
+    grid_t: int
+    grid_h: int
+    grid_w: int
+    digest: bytes
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return (self.grid_t, self.grid_h, self.grid_w)
 
 
 # Slots: the proxy's live Session extends this record, and it holds many sessions.
@@ -73,6 +94,9 @@ class SessionRecord:
     turn_finishes: array[int] = field(default_factory=lambda: array("B"))  # FINISH_* codes
     turn_flags: array[int] = field(default_factory=lambda: array("B"))  # FLAG_* bits
     turn_created: array[float] = field(default_factory=lambda: array("d"))  # unix time of the reply
+    # The prompts' images, by absolute token offset (see IMAGE_FIELDS); none for a text-only session.
+    image_spans: array[int] = field(default_factory=lambda: array("i"))
+    image_digests: array[int] = field(default_factory=lambda: array("B"))
     # Rare per-turn and per-call values, by turn index.
     turn_stop_strings: dict[int, str] = field(default_factory=dict)  # the stop string that ended it
     idempotency_keys: dict[str, int] = field(default_factory=dict)  # key digest (hex) -> call
@@ -106,6 +130,17 @@ def token_versions(record: SessionRecord) -> array[int]:
         end = turn_ends[after] if after < len(turn_ends) else len(versions)
         versions[start:end] = array("i", [version]) * (end - start)
     return versions
+
+
+def image_spans(record: SessionRecord) -> list[ImageSpan]:
+    """Every image of the record's prompts, in recording order (ascending offsets)."""
+    spans, digests = record.image_spans, record.image_digests
+    found = []
+    for i in range(len(spans) // IMAGE_FIELDS):
+        offset, tokens, grid_t, grid_h, grid_w = spans[i * IMAGE_FIELDS : (i + 1) * IMAGE_FIELDS]
+        digest = digests[i * DIGEST_BYTES : (i + 1) * DIGEST_BYTES].tobytes()
+        found.append(ImageSpan(offset, tokens, grid_t, grid_h, grid_w, digest))
+    return found
 
 
 def turn_finish(record: SessionRecord, turn: int) -> int:

@@ -15,6 +15,7 @@ whose output lies wholly in it: their outputs are what a sample trains on.
 
 from __future__ import annotations
 
+import bisect
 from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -22,10 +23,12 @@ from typing import Any
 
 from .session_record import (
     DIGEST_BYTES,
+    IMAGE_FIELDS,
     NO_DIGEST,
     ROOT,
     TURN_BOUND_FIELDS,
     VERSION_CHANGE_FIELDS,
+    ImageSpan,
     SessionRecord,
     turn_finish,
 )
@@ -95,6 +98,32 @@ def gather(values: array, pieces: list[tuple[int, int]]) -> array:
 
 def path_ids(record: SessionRecord, turn: int) -> array:
     return gather(record.token_ids, path_pieces(record, turn))
+
+
+def path_images(record: SessionRecord, turn: int) -> list[ImageSpan]:
+    """The images on the path to the end of `turn`, in path order, their offsets in path coordinates
+    (what the engine is sent with the path's ids: every image of the prompt, in order)."""
+    spans = record.image_spans
+    count = len(spans) // IMAGE_FIELDS
+    if not count or turn == ROOT:
+        return []
+    offsets = [spans[i * IMAGE_FIELDS] for i in range(count)]  # ascending: recording order
+    found: list[ImageSpan] = []
+    position = 0
+    for start, stop in path_pieces(record, turn):
+        for i in range(bisect.bisect_left(offsets, start), bisect.bisect_left(offsets, stop)):
+            at = i * IMAGE_FIELDS
+            _, tokens, grid_t, grid_h, grid_w = spans[at : at + IMAGE_FIELDS]
+            digest = digest_at(record.image_digests, i)
+            found.append(ImageSpan(position + offsets[i] - start, tokens, grid_t, grid_h, grid_w, digest))
+        position += stop - start
+    return found
+
+
+def image_digests_of(record: SessionRecord) -> set[bytes]:
+    """The distinct images a record's prompts hold (what keeps their files on disk)."""
+    digests = record.image_digests
+    return {digests[i : i + DIGEST_BYTES].tobytes() for i in range(0, len(digests), DIGEST_BYTES)}
 
 
 def digest_at(digests: array, turn: int) -> bytes:
@@ -176,6 +205,11 @@ def path_record(
             if flat_output <= changes[i] < flat_end:
                 version_changes.extend((changes[i] - flat_output + output_start, changes[i + 1]))
         previous_end = end
+    image_spans = array("i")
+    image_digests = array("B")
+    for image in path_images(record, turn):
+        image_spans.extend((image.offset, image.tokens, image.grid_t, image.grid_h, image.grid_w))
+        image_digests.frombytes(image.digest)
     rewards = record.turn_rewards or {}
     return SessionRecord(
         session_id=record.session_id,
@@ -192,6 +226,8 @@ def path_record(
         turn_tempered=array("B", (record.turn_tempered[u] for u in on_path)),
         turn_rewards={i: rewards[u] for i, u in enumerate(on_path) if u in rewards},
         turn_finishes=array("B", (turn_finish(record, u) for u in on_path)),
+        image_spans=image_spans,
+        image_digests=image_digests,
         reward=reward,
         finished=record.finished,
     )
@@ -266,4 +302,21 @@ def shape_problem(record: SessionRecord) -> str | None:
             return f"turn {turn} keeps {keep} tokens of a path of {path_length(record, parent)}"
         if not 0 <= call <= turn:
             return f"turn {turn} names call {call}, which is not before it"
+    return _image_problem(record)
+
+
+def _image_problem(record: SessionRecord) -> str | None:
+    """An image whose tokens do not lie inside one turn's own prompt tokens, in ascending order."""
+    spans = record.image_spans
+    if len(spans) % IMAGE_FIELDS or len(record.image_digests) != len(spans) // IMAGE_FIELDS * DIGEST_BYTES:
+        return "the image spans and digests disagree in count"
+    prompts = sorted(bounds(record, turn)[:2] for turn in range(num_turns(record)))
+    starts = [start for start, _ in prompts]
+    previous_end = 0
+    for i in range(0, len(spans), IMAGE_FIELDS):
+        offset, tokens = spans[i], spans[i + 1]
+        holder = bisect.bisect_right(starts, offset) - 1
+        if tokens < 1 or offset < previous_end or holder < 0 or offset + tokens > prompts[holder][1]:
+            return f"image {i // IMAGE_FIELDS} ({tokens} tokens at {offset}) is not inside a turn's prompt"
+        previous_end = offset + tokens
     return None

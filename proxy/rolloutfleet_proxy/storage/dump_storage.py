@@ -3,7 +3,9 @@
 Its layout (the file formats are in dumps.py):
     journal/<seq>.wal                          every change a client was told about (journal.py)
     live/<session_id>.safetensors              snapshots (compaction, the shutdown drain); restored on start
-    stale/<session_id>.<unix_ms>.safetensors   sessions evicted after idling (the user's)
+    stale/<session_id>.<unix_ms>.safetensors   sessions evicted after idling (the user's); their images in
+                                               stale/images/ (hard links to images/ files)
+    images/<sha256>.<png|jpg|webp>             each distinct image of the sessions held, once (images.py)
     live-exports/<batch_id>.safetensors        batches handed to the trainer, not yet acknowledged
     exported/<batch_id>.<unix_ms>.safetensors  batches never acknowledged within the TTL (the user's)
     corrupt/                                   files that could not be read back
@@ -21,9 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from rolloutfleet_wire import session_tree as tree
 
 from ..export_buffer import ExportBatch
 from ..failures import Failure
@@ -41,9 +46,11 @@ from .dumps import (
     dump_file_path,
     probe_writable,
     remove_other_dumps,
+    write_atomic,
     write_batch_dump,
 )
 from .health import StorageHealth
+from .images import IMAGES_AREA, ImageStore
 from .interface import Departure, Pending, RestoredSessions, Storage, Written, storage_stats
 from .journal import Journal, journal_dir
 from .restore import restore_batches, restore_sessions, restore_state
@@ -78,6 +85,7 @@ class DumpStorage(Storage):
         """`held_sessions`: every session held, live or detached (what a compaction snapshots);
         `state`: the state file's content now."""
         self.health = StorageHealth()
+        self.images = ImageStore(dump_dir / IMAGES_AREA)
         self._dump_dir = dump_dir
         self._counters = counters
         self._durability = durability
@@ -193,6 +201,18 @@ class DumpStorage(Storage):
     # --- sessions leaving memory ------------------------------------------------------------------
 
     async def write_stale(self, sessions: list[Session]) -> Written:
+        # Stale dumps are the user's: their images go beside them (hard links: no copy), so they
+        # stay readable after the image store deletes its own files.
+        digests: set[bytes] = set()
+        for session in sessions:
+            digests |= tree.image_digests_of(session)
+        if digests:
+            try:
+                await asyncio.to_thread(self._link_images, digests, self._dump_dir / STALE_AREA / IMAGES_AREA)
+            except OSError as exc:
+                self._counters.dump_failures += 1
+                log.error("the images of stale sessions could not be kept beside them: %s", exc)
+                return Written(STALE_DUMPED, [], sessions)
         written, failed = await self._files.write(sessions, STALE_AREA, "stale")
         self._counters.sessions_dumped += len(written)
         self._counters.sessions_evicted += len(written)
@@ -202,6 +222,24 @@ class DumpStorage(Storage):
         written, failed = await self._files.write(sessions, LIVE_AREA, "drain")
         self._counters.sessions_drained += len(written)
         return Written(DRAINED, written, failed)
+
+    def _link_images(self, digests: set[bytes], directory: Path) -> None:
+        """Blocking: each image's file linked (copied where links fail) into `directory`, fsynced."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for digest in digests:
+            source = self.images.path(self.images.info(digest))
+            target = directory / source.name
+            if target.exists():
+                continue
+            try:
+                os.link(source, target)
+            except OSError:
+                write_atomic(target, source.read_bytes())
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
     async def drained(self, session_ids: set[str]) -> None:
         """Every session is in its live/ snapshot now: the journal and older snapshots are redundant.

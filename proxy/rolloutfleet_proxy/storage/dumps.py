@@ -36,6 +36,7 @@ from rolloutfleet_wire import session_tree as tree
 from rolloutfleet_wire.session_record import (
     DIGEST_BYTES,
     FINISH_UNKNOWN,
+    IMAGE_FIELDS,
     NO_DIGEST,
     NO_STOP_TOKEN,
     RECORD_FIELDS,
@@ -198,6 +199,11 @@ _TENSORS: dict[str, _Tensor] = {
     ),
     "turn_created": _Tensor(
         "turn_created", "d", np.float64, per_turn=True, older_files=lambda values: [0.0] * _turns(values)
+    ),
+    # Written before images: none. The bytes are in the dump directory's images/ area, by sha256.
+    "image_spans": _Tensor("image_spans", "i", np.int32, columns=IMAGE_FIELDS, older_files=lambda values: []),
+    "image_digests": _Tensor(
+        "image_digests", "B", np.uint8, columns=DIGEST_BYTES, older_files=lambda values: []
     ),
 }
 

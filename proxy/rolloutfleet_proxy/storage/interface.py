@@ -22,6 +22,7 @@ from ..export_buffer import ExportBatch
 from ..periodic import PeriodicTask
 from ..session import RecordedTurn, Session
 from .health import StorageHealth
+from .images import ImageStore
 from .journal import JournalStats
 from .state_file import ProxyState
 
@@ -56,6 +57,7 @@ class RestoredSessions:
 
 class Storage(ABC):
     health: StorageHealth
+    images: ImageStore  # the images sessions reference, stored once (files, or memory without storage)
 
     # --- start and stop ---------------------------------------------------------------------------
 

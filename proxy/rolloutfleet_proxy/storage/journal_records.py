@@ -2,7 +2,8 @@
 
 A record is framed as `MAGIC | payload length (u32) | CRC-32 of the payload (u32) | payload`; the
 payload is `kind (u8) | header length (u32) | header (JSON) | body`. Only a turn has a body: its new
-input ids (int32), output ids (int32) and output logprobs (float32), as the arrays hold them.
+input ids (int32), output ids (int32) and output logprobs (float32), as the arrays hold them. A
+turn's images are in its header by sha256 (their bytes are files in the dump directory's images/).
 
 Every record names its session by id and incarnation (the first 8 bytes of the session key's digest),
 so a record of a deleted session never applies to a later session that reuses the id. A turn carries
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from rolloutfleet_wire.session_record import FINISH_UNKNOWN, NO_DIGEST, UNKNOWN_TEMPERATURE
+from rolloutfleet_wire.session_record import FINISH_UNKNOWN, NO_DIGEST, UNKNOWN_TEMPERATURE, ImageSpan
 
 from ..session import RecordedTurn
 
@@ -110,6 +111,8 @@ def turn_record(session_id: str, key_digest: bytes, turn_index: int, turn: Recor
         idempotency_key=turn.idempotency_key,
         request=turn.request_digest.hex(),
     )
+    if turn.images:  # offsets into the turn's new input ids; the bytes are in images/, by sha256
+        header["images"] = [[*image[:5], image.digest.hex()] for image in turn.images]
     body = turn.new_input_ids.tobytes() + turn.output_ids.tobytes() + turn.output_logprobs.tobytes()
     return frame(TURN, header, body)
 
@@ -141,6 +144,10 @@ def recorded_turn(record: Record) -> RecordedTurn:
         created=float(header.get("created", 0.0)),
         stop_string=_optional_str(header.get("stop_string")),
         idempotency_key=_optional_str(header.get("idempotency_key")),
+        images=tuple(
+            ImageSpan(int(o), int(n), int(t), int(h), int(w), bytes.fromhex(d))
+            for o, n, t, h, w, d in header.get("images") or ()
+        ),
     )
 
 

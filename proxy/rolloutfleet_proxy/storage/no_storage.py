@@ -16,6 +16,7 @@ from ..periodic import PeriodicTask
 from ..session import RecordedTurn, Session
 from ..stats import Counters
 from .health import StorageHealth
+from .images import ImageStore
 from .interface import Departure, Pending, RestoredSessions, Storage, Written, storage_stats
 from .journal import JournalStats
 from .state_file import ProxyState
@@ -28,6 +29,7 @@ BATCH_DRAIN_DROPPED = Departure("dropped at shutdown (no dump directory)")
 class NoStorage(Storage):
     def __init__(self, counters: Counters):
         self.health = StorageHealth()
+        self.images = ImageStore(None)  # held in memory: nothing outlives the process anyway
         self._counters = counters
 
     # --- start and stop ---------------------------------------------------------------------------
