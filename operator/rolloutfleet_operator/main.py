@@ -20,9 +20,10 @@ from .fleet import COMPONENT_LABEL, FLEET_LABEL, MANAGED_BY_LABEL, MANAGER
 from .fleet_loop import FleetLoops
 from .kubeapi import RESOURCES, KubeApi, load_configuration
 from .leadership import Election, Leadership, LeaseClient, StandbyHealth, wait_for_leadership
-from .lost_proxies import force_delete_message, lost_message
+from .lost_proxies import lost_message
 from .memory_watchdog import FleetWatchdog
 from .pacing import TokenBucket
+from .pass_events import pass_events
 from .plan import PodSignal, pod_event_needs_pass, pod_signal
 from .reconcile import Reconciler
 from .watch_cache import CACHED_KINDS, OWNED_LABELS, FleetStore, KindKey, OwnedObjects, by_fleet, index_id
@@ -107,25 +108,12 @@ async def _pass(body: kopf.Body) -> bool:
     finally:
         metrics.RECONCILE_SECONDS.labels(*fleet).observe(time.perf_counter() - started)
     assert _events is not None
-    post_event = _events.post_event
-    for child in result.created_children:
-        await post_event(body, "Normal", "Created", f"created {child}")
-    for child in result.deleted_children:
-        await post_event(body, "Normal", "Deleted", f"deleted {child}: the spec no longer wants it")
-    for pod in result.created:
-        await post_event(body, "Normal", "Created", f"created proxy pod {pod}")
-    for pod, reason in result.deleted:
-        await post_event(body, "Normal", reason, f"deleted proxy pod {pod} ({reason})")
-    for failure in result.failures:  # counted on one Event per cause while it recurs (events.py)
-        await post_event(body, "Warning", "FailedCreate", failure)
-    for pod in result.adopted:
-        await post_event(body, "Normal", "Adopted", f"adopted the orphaned proxy pod {pod}")
-    for lost in result.lost:
-        message = lost_message(lost)
-        await post_event(body, "Warning", "ProxyLost", message)
-        await post_event(_pod_ref(body, lost.pod, lost.uid), "Warning", "ProxyLost", message)
-    for lost in result.force_deleted:
-        await post_event(body, "Warning", "ForceDeleted", force_delete_message(lost))
+    for event_type, reason, message in pass_events(result):
+        await _events.post_event(body, event_type, reason, message)
+    for lost in result.lost:  # also on the pod, where `kubectl describe pod` shows it
+        await _events.post_event(
+            _pod_ref(body, lost.pod, lost.uid), "Warning", "ProxyLost", lost_message(lost)
+        )
     return not result.failures
 
 

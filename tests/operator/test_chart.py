@@ -19,7 +19,7 @@ from rolloutfleet_operator.fleet import (
     OperatorDefaults,
     package_version,
 )
-from rolloutfleet_testkit.controlplane.build import binaries_dir
+from rolloutfleet_testkit.controlplane.build import ensure_helm
 from rolloutfleet_testkit.images.catalog import image_name
 from rolloutfleet_testkit.version import chart_versions, project_version, set_version
 
@@ -29,10 +29,7 @@ CHART = ROOT / "charts" / "rolloutfleet-operator"
 
 @pytest.fixture(scope="module")
 def helm() -> str:
-    built = binaries_dir() / "helm"
-    found = str(built) if built.exists() else shutil.which("helm")
-    assert found, "helm not found: run `./dev cluster build` (./dev test does) or put helm on PATH"
-    return found
+    return str(ensure_helm())  # the pinned helm; waits while ./dev test's background prepare builds it
 
 
 def render_result(helm: str, *values: str, flags: Sequence[str] = ()) -> subprocess.CompletedProcess:

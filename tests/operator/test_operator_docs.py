@@ -288,10 +288,16 @@ def test_every_condition_type_and_reason_is_documented(doc):
 
 def event_reasons() -> set[str]:
     """Literal Event reasons: kopf.info/warn/event(reason=...) and post_event(obj, type, reason, ...);
-    the reconciler's deletion reasons (plan.Deletion); the watchdog's MemoryRestart<HoldReason>."""
+    a pass's (type, reason, message) tuples (pass_events.py); the reconciler's deletion reasons
+    (plan.Deletion); the watchdog's MemoryRestart<HoldReason>."""
     reasons = set()
-    for module in ("main.py", "memory_watchdog.py", "plan.py"):
+    for module in ("main.py", "memory_watchdog.py", "plan.py", "pass_events.py"):
         for node in ast.walk(ast.parse((OPERATOR / module).read_text())):
+            if isinstance(node, ast.Tuple) and len(node.elts) == 3:
+                kind, reason = node.elts[0], node.elts[1]
+                typed = isinstance(kind, ast.Constant) and kind.value in ("Normal", "Warning")
+                if typed and isinstance(reason, ast.Constant) and isinstance(reason.value, str):
+                    reasons.add(reason.value)
             if not isinstance(node, ast.Call):
                 continue
             func = node.func

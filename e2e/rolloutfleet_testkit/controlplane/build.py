@@ -12,6 +12,7 @@ envtest's KUBEBUILDER_ASSETS) can be named by ROLLOUTFLEET_K8S_ASSETS instead.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -22,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rolloutfleet_testkit.cache import project_cache
+from rolloutfleet_testkit.cache import exclusive, project_cache
 
 KUBERNETES_VERSION = "v1.35.4"
 HELM_VERSION = "v3.22.0"
@@ -160,7 +161,7 @@ def resolve_versions(work: Path, kubernetes: str, helm: str) -> tuple[Versions, 
 
 
 def build(bin_dir: Path, kubernetes: str = KUBERNETES_VERSION, helm: str = HELM_VERSION) -> Path:
-    """Build every binary missing from bin_dir; returns bin_dir."""
+    """Build etcd and the Kubernetes commands missing from bin_dir (helm: `build_helm`); returns bin_dir."""
     work = bin_dir.parent / "src"
     versions, staging = resolve_versions(work, kubernetes, helm)
     say(
@@ -203,18 +204,36 @@ def build(bin_dir: Path, kubernetes: str = KUBERNETES_VERSION, helm: str = HELM_
         (staging_dir / "server").rename(staging_dir / "etcd")
         for name in ("etcd", *KUBE_COMMANDS):
             os.replace(staging_dir / name, bin_dir / name)
-    if not (bin_dir / "helm").exists():
-        helm_dir = bin_dir.parent / "helm-src"
-        helm_dir.mkdir(exist_ok=True)
-        flags = f"-s -w -X helm.sh/helm/v3/internal/version.version={versions.helm}"
-        env_bin = {"GOBIN": str(bin_dir)}
-        os.environ.update(env_bin)
-        go(
-            ["install", "-v", "-trimpath", "-ldflags", flags, f"helm.sh/helm/v3/cmd/helm@{versions.helm}"],
-            cwd=helm_dir,
-            progress_label="helm",
-        )
     return bin_dir
+
+
+def build_helm(bin_dir: Path, version: str = HELM_VERSION) -> Path:
+    """helm, `go install`ed into bin_dir beside the release's binaries; returns its path."""
+    helm_dir = bin_dir.parent / "helm-src"
+    helm_dir.mkdir(parents=True, exist_ok=True)
+    flags = f"-s -w -X helm.sh/helm/v3/internal/version.version={version}"
+    go(
+        ["install", "-v", "-trimpath", "-ldflags", flags, f"helm.sh/helm/v3/cmd/helm@{version}"],
+        cwd=helm_dir,
+        progress_label="helm",
+        env={"GOBIN": str(bin_dir)},
+    )
+    return bin_dir / "helm"
+
+
+def ensure_helm() -> Path:
+    """helm (the chart's tests render with it), built on first use; returns its path."""
+    path = binaries_dir() / "helm"
+    if path.exists():
+        return path
+    # Held while building: ./dev test prepares in the background while tests that need helm run.
+    with exclusive(f"build-helm-{HELM_VERSION}"):
+        if not path.exists():
+            if shutil.which("go") is None:
+                raise RuntimeError("Go is needed to build helm (or set ROLLOUTFLEET_K8S_ASSETS)")
+            say(f"building helm {HELM_VERSION} into {path.parent} (first run only)")
+            build_helm(path.parent)
+    return path
 
 
 def go_tool_path(name: str, version: str) -> Path:
@@ -229,17 +248,21 @@ def ensure_go_tool(name: str, package: str, version: str, tags: str = "") -> Pat
     path = go_tool_path(name, version)
     if path.exists():
         return path
-    if shutil.which("go") is None:
-        raise RuntimeError(f"Go is needed to build {name}")
-    work = path.parent.parent / "src"
-    work.mkdir(parents=True, exist_ok=True)
-    say(f"building {name} {version} into {path.parent} (first run only; a few minutes on 2 cores)")
-    go(
-        go_install_args(package, version, tags),
-        cwd=work,
-        progress_label=name,
-        env={"GOBIN": str(path.parent)},
-    )
+    # Held while building: ./dev test prepares in the background while tests that need the tool run.
+    with exclusive(f"build-{name}-{version}"):
+        if path.exists():  # built by the holder we waited for
+            return path
+        if shutil.which("go") is None:
+            raise RuntimeError(f"Go is needed to build {name}")
+        work = path.parent.parent / "src"
+        work.mkdir(parents=True, exist_ok=True)
+        say(f"building {name} {version} into {path.parent} (first run only; a few minutes on 2 cores)")
+        go(
+            go_install_args(package, version, tags),
+            cwd=work,
+            progress_label=name,
+            env={"GOBIN": str(path.parent)},
+        )
     return path
 
 
@@ -292,11 +315,16 @@ def ensure_binaries() -> Path:
     """The release's binaries (bin_dir, returned) and the nodes' CoreDNS and pause program (their own
     cache directory, rolloutfleet_testkit.node.binaries); only what is missing is built."""
     bin_dir = binaries_dir()
-    if not all((bin_dir / b).exists() for b in BINARIES):
-        if shutil.which("go") is None:
-            raise RuntimeError("Go is needed to build the control plane (or set ROLLOUTFLEET_K8S_ASSETS)")
-        say(f"building control-plane binaries into {bin_dir} (first run only; tens of minutes on 2 cores)")
-        build(bin_dir)
+    release = [b for b in BINARIES if b != "helm"]
+    with contextlib.ExitStack() as held:
+        if not all((bin_dir / b).exists() for b in release):
+            held.enter_context(exclusive(f"build-kubernetes-{KUBERNETES_VERSION}"))
+        if not all((bin_dir / b).exists() for b in release):  # not built by the holder we waited for
+            if shutil.which("go") is None:
+                raise RuntimeError("Go is needed to build the control plane (or set ROLLOUTFLEET_K8S_ASSETS)")
+            say(f"building control-plane binaries into {bin_dir} (first run only; tens of minutes)")
+            build(bin_dir)
+    ensure_helm()
     from rolloutfleet_testkit.node.binaries import ensure_node_binaries  # it builds with this module's go()
 
     ensure_node_binaries()

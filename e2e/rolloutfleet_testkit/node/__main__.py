@@ -6,7 +6,8 @@ up       the control plane and both nodes (rf-cpu-node, rf-gpu-node), CoreDNS an
 down     stops what `up` started and puts the machine back (sysctls, iptables, bridge, mounts, cgroups)
 status   the recorded processes and whether they run
 prepare  everything that is slow the first time (Debian packages, the Kubernetes binaries, CoreDNS,
-         promtool, the project's images), with progress, so the tests then start in seconds
+         helm, promtool, kube-score, the registry, KWOK, the project's images), with progress, so
+         the tests then start in seconds; `up` waits for a prepare in progress
 """
 
 from __future__ import annotations
@@ -37,18 +38,30 @@ def parser() -> argparse.ArgumentParser:
 
 
 def prepare(images: list[str]) -> None:
-    from rolloutfleet_testkit.controlplane.build import ensure_binaries, ensure_kube_score, ensure_promtool
+    from rolloutfleet_testkit.controlplane.build import (
+        ensure_binaries,
+        ensure_helm,
+        ensure_kube_score,
+        ensure_kwok,
+        ensure_promtool,
+        ensure_registry,
+    )
     from rolloutfleet_testkit.images.catalog import build_image
 
     from .binaries import ensure_node_binaries
     from .packages import ensure_debian_packages
 
     ensure_debian_packages()
-    ensure_binaries()
-    ensure_node_binaries()
+    # First what unit tests use (./dev test runs them while this builds in the background), then
+    # what only the cluster's tests need.
+    ensure_helm()
     ensure_promtool()
     ensure_kube_score()
+    ensure_registry()
+    ensure_binaries()
+    ensure_node_binaries()
     built = [build_image(name) for name in images]
+    ensure_kwok()
     if set(images) >= set(DEFAULT_IMAGES):
         # Every image the suite runs was just built: earlier builds' steps are garbage.
         from rolloutfleet_testkit.images.build import prune_layers

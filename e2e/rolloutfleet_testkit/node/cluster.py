@@ -35,7 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from rolloutfleet_testkit.cache import project_cache
+from rolloutfleet_testkit.cache import exclusive, project_cache
 from rolloutfleet_testkit.controlplane import cluster as controlplane
 from rolloutfleet_testkit.controlplane.build import ensure_binaries
 from rolloutfleet_testkit.controlplane.pki import Pki, kubeconfig
@@ -305,6 +305,10 @@ def up(root: Path | None = None, timeout_s: float = 180) -> RealCluster:
     def progress(message: str) -> None:
         say(f"{message} ({time.monotonic() - started:.1f}s)")
 
+    # ./dev test builds the parts in the background while the unit tests run: wait for it, then
+    # everything below is found in the cache (or, had it failed, built here with its error shown).
+    with exclusive("prepare"):
+        pass
     ensure_debian_packages()
     bins = ensure_binaries()
     node_bins = ensure_node_binaries()

@@ -45,7 +45,7 @@ ENDED_KEPT = 1000  # the most recent ended requests /emulator_stats lists (rid, 
 @dataclass(eq=False)
 class Request:
     rid: str
-    input_ids: list[int]
+    input_ids: list[int]  # the prompt as the prefix cache keys it
     sampling: Sampling
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -60,6 +60,8 @@ class Request:
     done: asyncio.Event = field(default_factory=asyncio.Event)
     # The output length after each step, then None when the request has ended (for streaming).
     steps: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # What the model embeds at the prompt's positions when that differs from input_ids (images).
+    embed_ids: list[int] | None = None
 
 
 class Scheduler:
@@ -269,7 +271,8 @@ class Scheduler:
         with torch.no_grad():
             for request in batch:
                 if request.hidden is None:  # prefill: the input and any output made before a retract
-                    ids = torch.tensor(request.input_ids + request.output_ids, dtype=torch.long)
+                    prompt = request.input_ids if request.embed_ids is None else request.embed_ids
+                    ids = torch.tensor(prompt + request.output_ids, dtype=torch.long)
                     logits, request.hidden = model(ids)
                     request.next_logits = logits[-1]
                 assert request.next_logits is not None

@@ -11,6 +11,11 @@ meet (`protocol.py`, `scheduler.py`, `radix_cache.py` name the SGLang functions 
   the prompt, each a request of its own with a fresh rid (the request's `rid` names none of them),
   answered as a JSON list in sample order; streamed, every chunk also carries its sample's `index`.
   Logprobs are tempered when sampling unless `SGLANG_RETURN_ORIGINAL_LOGPROB=1`.
+  Images (multimodal.py): with a vision-language model directory (config.json and
+  preprocessor_config.json beside the tokenizer), `image_data` (one item or a list of data URIs or
+  bare base64) expands each image's single `<|image_pad|>` to its token count; `prompt_tokens` counts
+  the expanded prompt, `meta_info.image_tokens` the image tokens, and `return_prompt_token_ids`
+  answers the expanded ids as `prompt_token_ids` at the top level (for text prompts too).
   `sampling_seed` counts only with `--enable-deterministic-inference`, as in SGLang.
 - `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`,
   `POST /update_weights_from_disk {"model_path", "weight_version", "abort_all_requests",
@@ -51,6 +56,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
 from .model import load_model
+from .multimodal import AVOID_RETOKENIZE_ENV, ImageReader, build_prompt, decode_image_data, image_data_list
 from .protocol import (
     BadRequest,
     Sampling,
@@ -100,17 +106,29 @@ def read_weights_seed(model_path: str) -> int:
 
 @dataclass(frozen=True)
 class GenerateParams:
-    input_ids: list[int]
+    input_ids: list[int]  # the prompt as the engine runs it: with images, each pad expanded
     sampling: Sampling
     rid: str
     return_logprob: bool
     return_text_in_logprobs: bool
     stream: bool
     n: int = 1  # parallel_sample_num: above 1, a group of n samples answered as a list
+    return_prompt_token_ids: bool = False
+    image_tokens: int = 0
+    # The radix cache's keys for the prompt when it differs from input_ids (images: their pad values).
+    cache_ids: list[int] | None = None
 
     @property
     def parallel(self) -> bool:
         return self.n > 1
+
+    def engine_ids(self, vocab_size: int) -> tuple[list[int], list[int] | None]:
+        """(cache keys, model input) of the prompt. The tiny model has no vision encoder: at an
+        image's positions it embeds a token drawn from the image's hash, so the output depends on the
+        image, as a real model's does."""
+        if self.cache_ids is None:
+            return list(self.input_ids), None
+        return list(self.cache_ids), [t % vocab_size for t in self.cache_ids]
 
 
 def _json_response(payload: object, status: int = 200) -> Response:
@@ -140,9 +158,17 @@ def _token_list(value: object, vocab_size: int, what: str) -> list[int]:
 
 
 def parse_generate_request(
-    body: object, tokenizer, eos_token_id: int | None, context_length: int
+    body: object,
+    tokenizer,
+    eos_token_id: int | None,
+    context_length: int,
+    images: ImageReader | None = None,
+    avoid_retokenize: bool = True,
 ) -> GenerateParams:
-    """Validate an SGLang `/generate` body; raises BadRequest with SGLang's message."""
+    """Validate an SGLang `/generate` body; raises BadRequest with SGLang's message. With a
+    vision-language model directory (`images`), `image_data` expands the prompt (multimodal.py); a
+    text model ignores it, as SGLang without a multimodal processor does. CPU-bound with images
+    (decoding them): call it off the event loop then."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
@@ -158,6 +184,18 @@ def parse_generate_request(
         raise BadRequest("The input_ids must not be empty.")
     n = parallel_sample_num(body.get("sampling_params"))  # normalize_batch_and_arguments, first
     sampling = parse_sampling(body.get("sampling_params"), eos_token_id, len(tokenizer))
+    image_items = image_data_list(body.get("image_data"))
+    cache_ids, image_tokens = None, 0
+    if images is not None and image_items:
+        read = [images.read(decode_image_data(item)) for item in image_items]
+        prompt, _ = build_prompt(
+            input_ids,
+            read,
+            images.tokens,
+            lambda ids: tokenizer.encode(tokenizer.decode(ids), add_special_tokens=False),
+            avoid_retokenize,
+        )
+        input_ids, cache_ids, image_tokens = prompt.input_ids, prompt.cache_ids, prompt.image_tokens
     check_context_length(len(input_ids), sampling.max_new_tokens, context_length)
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
@@ -170,6 +208,9 @@ def parse_generate_request(
         return_text_in_logprobs=_bool_field(body, "return_text_in_logprobs"),
         stream=_bool_field(body, "stream"),
         n=n,
+        return_prompt_token_ids=_bool_field(body, "return_prompt_token_ids"),
+        image_tokens=image_tokens,
+        cache_ids=cache_ids,
     )
 
 
@@ -187,17 +228,22 @@ def generate_answer(params: GenerateParams, request: EngineRequest, tokenizer, w
         "weight_version": weight_version,
         "e2e_latency": time.perf_counter() - request.created,
     }
+    if params.image_tokens:  # only for requests that consumed images
+        meta_info["image_tokens"] = params.image_tokens
     if params.return_logprob:
         meta_info["output_token_logprobs"] = [
             [logprob, token, tokenizer.decode([token]) if params.return_text_in_logprobs else None]
             for logprob, token in zip(logprobs, output_ids, strict=True)
         ]
     text = tokenizer.decode(output_ids, skip_special_tokens=True)
-    return {
+    answer = {
         "text": trimmed_text(text, request.finish, params.sampling),
         "output_ids": output_ids,
         "meta_info": meta_info,
     }
+    if params.return_prompt_token_ids:  # the expanded prompt, in every answer and streamed chunk
+        answer["prompt_token_ids"] = list(params.input_ids)
+    return answer
 
 
 def _message_text(content: object) -> str:
@@ -337,6 +383,9 @@ def create_app(
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     eos_token_id = tokenizer.eos_token_id
+    # A vision-language model directory (config.json and preprocessor_config.json beside the tokenizer).
+    images = ImageReader(tokenizer_path) if ImageReader.serves(tokenizer_path) else None
+    avoid_retokenize = _env_flag(AVOID_RETOKENIZE_ENV, True)
 
     def model_for(weights_seed: int):
         return load_model(len(tokenizer), seed=weights_seed, eos_token_id=eos_token_id)
@@ -379,14 +428,16 @@ def create_app(
         """The engine requests of a /generate (one, or a group's n samples in sample order) and the
         task that schedules them. A group's prefill-only request and each sample get rids of their own
         (`tmp_obj.regenerate_rid()`, a uuid4 hex), never the request's `rid`."""
+        keys, embed = params.engine_ids(len(tokenizer))
         if not params.parallel:
-            single = EngineRequest(params.rid, list(params.input_ids), params.sampling)
+            single = EngineRequest(params.rid, keys, params.sampling, embed_ids=embed)
             return [single], asyncio.create_task(scheduler.submit(single))
         prefill = EngineRequest(
-            uuid.uuid4().hex, list(params.input_ids), replace(params.sampling, max_new_tokens=0)
+            uuid.uuid4().hex, list(keys), replace(params.sampling, max_new_tokens=0), embed_ids=embed
         )
         samples = [
-            EngineRequest(uuid.uuid4().hex, list(params.input_ids), params.sampling) for _ in range(params.n)
+            EngineRequest(uuid.uuid4().hex, list(keys), params.sampling, embed_ids=embed)
+            for _ in range(params.n)
         ]
         return samples, asyncio.create_task(scheduler.submit_group(prefill, samples))
 
@@ -424,9 +475,15 @@ def create_app(
                 return
             pending = count
 
+    async def parse_generate(body: object) -> GenerateParams:
+        parse = (body, tokenizer, eos_token_id, context_length, images, avoid_retokenize)
+        if images is not None and isinstance(body, dict) and body.get("image_data") is not None:
+            return await asyncio.to_thread(parse_generate_request, *parse)  # decoding images: off the loop
+        return parse_generate_request(*parse)
+
     @app.post("/generate")
     async def generate_endpoint(request: Request) -> Response:
-        params = parse_generate_request(await read_json(request), tokenizer, eos_token_id, context_length)
+        params = await parse_generate(await read_json(request))
         if not params.stream:
             done = await run(params, request)
             answers = [generate_answer(params, r, tokenizer, scheduler.weight_version) for r in done]
