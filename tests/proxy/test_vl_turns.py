@@ -45,7 +45,9 @@ def outputs_of(trajectory: dict) -> list[list[int]]:
     return [ids[output_start:end] for _, output_start, end in trajectory["turns"]]
 
 
-def reference(tokenizer, processor, messages: list[dict], replies: list[int], outputs: list[list[int]]):
+def reference(
+    tokenizer, processor, messages: list[dict], replies: list[int], outputs: list[list[int]], tools=(CLICK,)
+):
     """The generation prompt after `messages` as the template renders the whole conversation, with
     the model's replies (the messages at `replies`) as the ids it generated, not their text
     re-tokenized (decoding and re-encoding a sampled token need not give it back), and each image
@@ -55,13 +57,14 @@ def reference(tokenizer, processor, messages: list[dict], replies: list[int], ou
         dict(m, content=f"rfreplymarker{replies.index(i)}") if i in replies else m
         for i, m in enumerate(messages)
     ]
-    text = tokenizer.apply_chat_template(marked, tools=[CLICK], tokenize=False, add_generation_prompt=True)
+    tools = list(tools) or None
+    text = tokenizer.apply_chat_template(marked, tools=tools, tokenize=False, add_generation_prompt=True)
     ids: list[int] = []
     for index in range(len(replies)):
         before, text = text.split(f"rfreplymarker{index}", 1)
         ids += tokenizer.encode(before, add_special_tokens=False) + outputs[index]
     ids += tokenizer.encode(text, add_special_tokens=False)
-    counts = expanded_prompt(tokenizer, processor, messages, tools=[CLICK]).image_token_counts
+    counts = expanded_prompt(tokenizer, processor, messages, tools=tools).image_token_counts
     return expand_pads(ids, counts)
 
 
@@ -138,3 +141,38 @@ def test_a_screenshot_session_is_recorded_as_the_reference_expands_it(family, tm
         assert prompt_of(trajectory) == expected_ids
         assert len(trajectory["images"]) == 4  # shots 0, 1, 2 and 0 again: a repeated image is a new span
         assert proxy.stats()["totals"]["images_deleted"] == 0
+
+
+@pytest.mark.router
+def test_behind_the_real_router_the_counts_stand_in_for_the_expanded_ids(tmp_path):
+    """sglang-router 0.3.2 passes `image_data` but drops `return_prompt_token_ids`: the proxy then
+    records its own expansion, checked against the engine's `meta_info.prompt_tokens`."""
+    from rolloutfleet_testkit.routed_engines import routed_emulators
+
+    directory = VL_FAMILIES["qwen25_vl"].build_cached()
+    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    processor = image_processor(directory)
+    shots = [screenshot(640, 360, seed=1), screenshot(1280, 720, seed=2)]
+    with (
+        routed_emulators(directory, tmp_path, count=1) as (router_url, _engines),
+        running_proxy(router_url, directory, tmp_path / "dump") as proxy,
+    ):
+        sid, key = proxy.create_session()
+        messages: list[dict] = []
+        for text, shot in (("Look.", shots[0]), ("And now?", shots[1])):
+            messages.append({"role": "user", "content": [{"type": "text", "text": text}, image_part(shot)]})
+            answer = httpx.post(
+                f"{proxy.url}/v1/sessions/{sid}/chat/completions",
+                headers=bearer(key),
+                json=chat_body(messages, max_tokens=2, temperature=0),
+                timeout=120,
+            )
+            assert answer.status_code == 200, answer.text
+            messages.append(answer.json()["choices"][0]["message"])
+        trajectory = proxy.get(sid, key).json()["trajectory"]
+        assert [i["tokens"] for i in trajectory["images"]] == [299, 1196]
+        outputs = outputs_of(trajectory)
+        messages.pop()
+        marked = reference(tokenizer, processor, messages, [1], outputs, tools=())
+        assert prompt_of(trajectory) == marked
+        assert answer.json()["usage"]["prompt_tokens"] == len(marked)
