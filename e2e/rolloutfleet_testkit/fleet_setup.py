@@ -108,6 +108,38 @@ def external_fleet(
     }
 
 
+def standin_fleet(
+    name: str,
+    namespace: str,
+    tokenizer_dir: str | Path,
+    engine_url: str,
+    replicas: int,
+    dump_dir: str | Path,
+    rss_bytes: int,
+    drain_s: float,
+    **proxy: Any,
+) -> dict[str, Any]:
+    """A fleet whose proxies are /stats stand-ins (the test kit image as `stats-standin`: reports
+    `rss_bytes` until told otherwise, drains for `drain_s` on SIGTERM): for the watchdog's and the
+    node failures' tests, where what matters is the operator, not a proxy's sessions. `proxy` adds
+    to spec.proxy (memory, tolerations, grace periods, ...)."""
+    return external_fleet(
+        name,
+        namespace,
+        tokenizer_dir,  # required by the CRD; the stand-in reads neither it nor the dumps
+        engine_url,
+        replicas,
+        image=TESTKIT_IMAGE,
+        dump={"hostPath": {"path": str(pod_writable(dump_dir))}},
+        env=[
+            {"name": "TESTKIT_PROGRAM", "value": "stats-standin"},
+            {"name": "STANDIN_DRAIN_S", "value": f"{drain_s:g}"},
+            {"name": "STANDIN_RSS_BYTES", "value": str(rss_bytes)},
+        ],
+        **proxy,
+    )
+
+
 def pod_writable(path: str | Path) -> Path:
     """A host directory for a hostPath volume that pods running as any user (the proxy image runs as
     uid 65532) can write: created world-writable, and every directory above it made traversable

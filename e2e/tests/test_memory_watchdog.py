@@ -222,7 +222,6 @@ def test_over_budget_proxies_are_replaced_one_at_a_time_without_losing_a_turn(
 
 # --- fleets of /stats stand-ins -------------------------------------------------------------------
 
-STANDIN_IMAGE = fleet_setup.TESTKIT_IMAGE  # run as TESTKIT_PROGRAM=stats-standin
 STANDIN_RSS = 50 * MIB  # what a stand-in reports until told otherwise
 STANDIN_BUDGET = 100 * MIB
 OVER_BUDGET = 150 * MIB
@@ -263,19 +262,15 @@ def start_standin_fleet(
 ) -> dict[str, str]:
     """A fleet whose proxies are /stats stand-ins, with the watchdog on from the start (interval
     1 s, 2 samples); returns pod name -> URL once every proxy is available."""
-    fleet = fleet_setup.external_fleet(
+    fleet = fleet_setup.standin_fleet(
         name,
         NAMESPACE,
-        tokenizer_dir,  # required by the CRD; the stand-in reads neither it nor the dumps
+        tokenizer_dir,
         engine_url,
         replicas,
-        image=STANDIN_IMAGE,
-        dump={"hostPath": {"path": str(fleet_setup.pod_writable(dump_dir))}},
-        env=[
-            {"name": "TESTKIT_PROGRAM", "value": "stats-standin"},
-            {"name": "STANDIN_DRAIN_S", "value": "1"},
-            {"name": "STANDIN_RSS_BYTES", "value": str(STANDIN_RSS)},
-        ],
+        dump_dir,
+        rss_bytes=STANDIN_RSS,
+        drain_s=1,
         memory={
             "rssBudgetBytes": STANDIN_BUDGET,
             "checkIntervalSeconds": 1,

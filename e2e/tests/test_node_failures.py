@@ -87,19 +87,15 @@ def start_standin_fleet(
 ):
     """Stand-in proxies spread over both nodes (`tolerations` beside the GPU node's), with `proxy`
     (e.g. the watchdog's settings); returns the pods once every one is available."""
-    fleet = fleet_setup.external_fleet(
+    fleet = fleet_setup.standin_fleet(
         name,
         NAMESPACE,
-        tokenizer_dir,  # required by the CRD; the stand-in reads neither it nor the dumps
+        tokenizer_dir,
         engine_url,
         replicas,
-        image=fleet_setup.TESTKIT_IMAGE,
-        dump={"hostPath": {"path": str(fleet_setup.pod_writable(dump_dir))}},
-        env=[
-            {"name": "TESTKIT_PROGRAM", "value": "stats-standin"},
-            {"name": "STANDIN_DRAIN_S", "value": "2"},
-            {"name": "STANDIN_RSS_BYTES", "value": str(STANDIN_RSS)},
-        ],
+        dump_dir,
+        rss_bytes=STANDIN_RSS,
+        drain_s=2,
         drainGraceSeconds=1,
         terminationGracePeriodSeconds=5,
         tolerations=[GPU_TOLERATION, *tolerations],

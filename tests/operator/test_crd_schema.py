@@ -18,7 +18,7 @@ from fleet_samples import SCHEMA
 from rolloutfleet_operator.fleet import MAX_FLEET_NAME_LENGTH
 from rolloutfleet_proxy.reasoning_parsers import REASONING_PARSER_NAMES
 from rolloutfleet_proxy.tool_parsers import TOOL_CALL_PARSER_NAMES
-from rolloutfleet_testkit import crdgen
+from rolloutfleet_testkit import crdgen, fleet_setup
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = ROOT / "crds" / "rolloutfleets.rolloutfleet.dev.yaml"
@@ -251,6 +251,31 @@ def errors(obj: dict[str, Any]) -> list[str]:
 @pytest.mark.parametrize("name", sorted(p.name for p in SAMPLES.glob("*.yaml")))
 def test_the_samples_are_valid(name):
     assert not errors(yaml.safe_load((SAMPLES / name).read_text()))
+
+
+def test_the_test_kits_fleets_are_valid(tmp_path):
+    """The fleets the e2e suite applies (rolloutfleet_testkit.fleet_setup) pass the CRD's schema."""
+    external = fleet_setup.external_fleet("f", "ns", "/models/t", "http://10.0.0.1:9", 2)
+    standin = fleet_setup.standin_fleet(
+        "s",
+        "ns",
+        "/models/t",
+        "http://10.0.0.1:9",
+        3,
+        tmp_path / "dumps",
+        rss_bytes=50 << 20,
+        drain_s=1.5,
+        memory={"rssBudgetBytes": 64 << 20, "checkIntervalSeconds": 1},
+    )
+    assert not errors(external) and not errors(standin)
+    env = {item["name"]: item["value"] for item in standin["spec"]["proxy"]["env"]}
+    assert env == {
+        "TESTKIT_PROGRAM": "stats-standin",
+        "STANDIN_DRAIN_S": "1.5",
+        "STANDIN_RSS_BYTES": str(50 << 20),
+    }
+    assert standin["spec"]["proxy"]["memory"]["rssBudgetBytes"] == 64 << 20
+    assert (tmp_path / "dumps").stat().st_mode & 0o777 == 0o777  # pods run as uid 65532
 
 
 ACCEPTED = {
