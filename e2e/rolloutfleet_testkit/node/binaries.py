@@ -9,11 +9,10 @@ module proxy and cached per version beside the control plane's binaries.
 
 from __future__ import annotations
 
-import re
 import shutil
 from pathlib import Path
 
-from rolloutfleet_testkit.controlplane.build import cache_root, go, say
+from rolloutfleet_testkit.controlplane.build import build_main_module, cache_root, say
 
 COREDNS_VERSION = "v1.14.7"
 PAUSE_VERSION = "1"
@@ -79,34 +78,6 @@ def coredns_main(plugins: tuple[str, ...] = COREDNS_PLUGINS) -> str:
     )
 
 
-def go_mod(module: str, go_version: str, requires: dict[str, str]) -> str:
-    lines = [f"module {module}", "", f"go {go_version}", ""]
-    lines += [f"require {path} {version}" for path, version in requires.items()]
-    return "\n".join(lines) + "\n"
-
-
-def _go_version(work: Path) -> str:
-    return re.search(r"go(\d+\.\d+)", go(["env", "GOVERSION"], cwd=work)).group(1)
-
-
-def _build_module(name: str, main: str, requires: dict[str, str], out: Path) -> None:
-    work = cache_root() / "node-src" / name
-    work.mkdir(parents=True, exist_ok=True)
-    (work / "go.mod").write_text(go_mod(f"rolloutfleet.local/{name}", _go_version(work), requires))
-    (work / "go.sum").touch()
-    (work / "main.go").write_text(main)
-    if requires:
-        say(f"{name}: resolving module requirements (downloads from the Go module proxy)")
-        go(["get", *[f"{path}@{version}" for path, version in requires.items()]], cwd=work)
-    staged = out.with_suffix(".partial")
-    go(
-        ["build", "-v", "-trimpath", "-ldflags", "-s -w", "-o", str(staged), "."],
-        cwd=work,
-        progress_label=name,
-    )
-    staged.replace(out)
-
-
 def node_binaries_dir() -> Path:
     return cache_root() / "node-bin"
 
@@ -121,8 +92,8 @@ def ensure_node_binaries() -> Path:
         raise RuntimeError("Go is needed to build CoreDNS and the pause program")
     if not coredns.exists():
         say(f"building CoreDNS {COREDNS_VERSION} (plugins: {', '.join(COREDNS_PLUGINS)})")
-        _build_module("coredns", coredns_main(), {"github.com/coredns/coredns": COREDNS_VERSION}, coredns)
+        build_main_module("coredns", coredns_main(), {"github.com/coredns/coredns": COREDNS_VERSION}, coredns)
     if not pause.exists():
         say(f"building the pause program {PAUSE_VERSION}")
-        _build_module("pause", PAUSE_MAIN, {}, pause)
+        build_main_module("pause", PAUSE_MAIN, {}, pause)
     return bin_dir
