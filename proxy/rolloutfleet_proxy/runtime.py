@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from rolloutfleet_wire import session_tree as tree
+from rolloutfleet_wire.export_format import ExportImages
 
 from .admission import AdmissionLimits
 from .chat_tokens import TurnTokenizer
@@ -196,6 +197,9 @@ class ProxyRuntime:
                 load_vision_model, self.settings.tokenizer_path, self.tokenizer.hf_tokenizer
             )
             self.tokenizer.check_images(vision.image_token_id)
+            self.exports.images = ExportImages(
+                self.storage.images.read, vision.image_token_id, vision.processor_config
+            )
         await asyncio.to_thread(self.storage.images.load)
         self.upstream = SGLangClient(
             self.settings.upstream_url,
