@@ -125,7 +125,17 @@ def go(
 ) -> str:
     """Run the go tool (with `env` added to its environment); with a label, count the packages it
     compiles as progress (go build -v)."""
-    env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local", **(env or {})}
+    # GOGC 400: the compiler collects garbage a quarter as often; 15% faster builds (kube-score from
+    # an empty build cache: 37.6 s against 44.2 s, two runs each), for some more memory per compile.
+    defaults = {"GOGC": os.environ.get("GOGC", "400")}
+    env = {
+        **os.environ,
+        **defaults,
+        "CGO_ENABLED": "0",
+        "GOFLAGS": "-mod=mod",
+        "GOTOOLCHAIN": "local",
+        **(env or {}),
+    }
     if progress_label is None:
         result = subprocess.run(["go", *args], cwd=cwd, env=env, capture_output=True, text=True)
         if result.returncode != 0:

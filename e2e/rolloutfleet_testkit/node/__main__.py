@@ -13,6 +13,7 @@ prepare  everything that is slow the first time (Debian packages, the Kubernetes
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import sys
 from pathlib import Path
 
@@ -52,16 +53,19 @@ def prepare(images: list[str]) -> None:
     from .packages import ensure_debian_packages
 
     ensure_debian_packages()
-    # First what unit tests use (./dev test runs them while this builds in the background), then
-    # what only the cluster's tests need.
-    ensure_helm()
-    ensure_promtool()
-    ensure_kube_score()
-    ensure_registry()
-    ensure_binaries()
-    ensure_node_binaries()
-    built = [build_image(name) for name in images]
-    ensure_kwok()
+    # The images (mostly file copies and downloads) beside the Go builds (compilers on every core).
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        images_built = pool.submit(lambda: [build_image(name) for name in images])
+        # First what unit tests use (./dev test runs them while this builds in the background),
+        # then what only the cluster's tests need.
+        ensure_helm()
+        ensure_promtool()
+        ensure_kube_score()
+        ensure_registry()
+        ensure_binaries()
+        ensure_node_binaries()
+        ensure_kwok()
+        built = images_built.result()
     if set(images) >= set(DEFAULT_IMAGES):
         # Every image the suite runs was just built: earlier builds' steps are garbage.
         from rolloutfleet_testkit.images.build import prune_layers
