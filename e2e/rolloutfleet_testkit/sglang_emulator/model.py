@@ -165,7 +165,8 @@ def iter_generate(
     generator = torch.Generator().manual_seed(DEFAULT_SAMPLING_SEED if seed is None else seed)
     if max_new_tokens == 0:
         return
-    logits, hidden = model(torch.tensor(prompt, dtype=torch.long))
+    # The last position only, as the scheduler's prefill (the same arithmetic, so the same logprobs).
+    logits, hidden = model(torch.tensor(prompt, dtype=torch.long), last_only=True)
     raw = logits[-1]
     for position in range(max_new_tokens):
         final = model.final_logits(raw, position)
