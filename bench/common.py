@@ -9,6 +9,7 @@ import math
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -129,6 +130,29 @@ def save_figure(fig, path: Path) -> None:
     progress(f"plot written to {path}")
 
 
+class RssSampler:
+    """A process's RSS every 5 ms in a thread, while the block runs."""
+
+    def __init__(self, process: psutil.Process):
+        self.process = process
+        self.samples: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append(self.process.memory_info().rss)
+            time.sleep(0.005)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def cpu_seconds(process: psutil.Process) -> float:
     times = process.cpu_times()
     return times.user + times.system
@@ -139,8 +163,11 @@ EMULATOR_MODULE = "rolloutfleet_testkit.sglang_emulator.server"
 
 
 @contextlib.contextmanager
-def sglang_emulators(work: Path, count: int, *flags: str) -> Iterator[list[str]]:
-    """`count` SGLang emulator processes on 127.0.0.1 (one model, seed 0), each with `flags`."""
+def sglang_emulators(
+    work: Path, count: int, *flags: str, tokenizer: Path | None = None
+) -> Iterator[list[str]]:
+    """`count` SGLang emulator processes on 127.0.0.1 (one model, seed 0), each with `flags`, for the
+    test tokenizer or the model directory `tokenizer`."""
     started: list[tuple[str, ServerProcess]] = []
     try:
         for _ in range(count):
@@ -152,7 +179,7 @@ def sglang_emulators(work: Path, count: int, *flags: str) -> Iterator[list[str]]
                 "--port",
                 str(port),
                 "--tokenizer-path",
-                str(tokenizer_dir()),
+                str(tokenizer or tokenizer_dir()),
                 "--log-level",
                 "warning",
                 *flags,

@@ -15,13 +15,11 @@ import asyncio
 import json
 import random
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import aiohttp
-import psutil
-from common import ADMIN, percentile, progress, proxy_process, save_result, upstream_stub
+from common import ADMIN, RssSampler, percentile, progress, proxy_process, save_result, upstream_stub
 
 WORDS = ["alpha", "beta", "gamma", "delta", "tool", "output", "line", "value", "=", "42", "\n"]
 
@@ -89,27 +87,6 @@ async def large_sender(url: str, bodies: list[bytes]) -> dict[int, int]:
                 await response.read()
                 statuses[response.status] = statuses.get(response.status, 0) + 1
     return statuses
-
-
-class RssSampler:
-    def __init__(self, process: psutil.Process):
-        self.process = process
-        self.samples: list[int] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.samples.append(self.process.memory_info().rss)
-            time.sleep(0.005)
-
-    def __enter__(self) -> RssSampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 async def stats(url: str) -> dict:

@@ -9,6 +9,7 @@ that image with the model directory's `preprocessor_config.json` (the processor 
     prompt.placeholder_ids   # what a client sends SGLang with image_data: one pad per image
     prompt.input_ids         # what SGLang answers with return_prompt_token_ids: each pad expanded
     prompt.image_grid_thw    # per image (t, h, w) in patches; tokens = t * h * w / merge_size**2
+    conversation_prompt(tokenizer, processor, messages, replies, outputs)  # with the model's own reply ids
 
 Shared by the tests that check recorded ids against a real SGLang's.
 """
@@ -109,3 +110,30 @@ def expanded_prompt(
         image_grid_thw=grids,
         image_token_counts=counts,
     )
+
+
+def conversation_prompt(
+    tokenizer,
+    processor,
+    messages: Sequence[dict],
+    replies: Sequence[int],
+    outputs: Sequence[list[int]],
+    tools=None,
+) -> list[int]:
+    """The generation prompt after `messages` as the template renders the whole conversation, with
+    the model's replies (the messages at indexes `replies`) as the ids it generated (`outputs`), not
+    their text re-tokenized (decoding and re-encoding a sampled token need not give it back), and
+    each image placeholder expanded by the processor. A reply's text is a marker in the rendering;
+    the text between markers is tokenized piece by piece (what the template writes around a reply)."""
+    marked = [
+        dict(m, content=f"rfreplymarker{list(replies).index(i)}") if i in replies else m
+        for i, m in enumerate(messages)
+    ]
+    text = tokenizer.apply_chat_template(marked, tools=tools, tokenize=False, add_generation_prompt=True)
+    ids: list[int] = []
+    for index in range(len(replies)):
+        before, text = text.split(f"rfreplymarker{index}", 1)
+        ids += tokenizer.encode(before, add_special_tokens=False) + list(outputs[index])
+    ids += tokenizer.encode(text, add_special_tokens=False)
+    counts = expanded_prompt(tokenizer, processor, messages, tools=tools).image_token_counts
+    return expand_pads(ids, counts)

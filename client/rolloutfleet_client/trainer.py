@@ -16,13 +16,16 @@ needs httpx (and numpy and safetensors, as the proxy does); torch is imported by
 
 from __future__ import annotations
 
+import json
 import logging
 import random
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -416,7 +419,12 @@ class TrainerClient:
 
 
 def to_torch(
-    batches: Sequence[PulledBatch], *, pad_token_id: int = 0, device: str | None = None
+    batches: Sequence[PulledBatch],
+    *,
+    pad_token_id: int = 0,
+    device: str | None = None,
+    images: bool = False,
+    image_processor: Any = None,
 ) -> dict[str, torch.Tensor]:
     """All trajectories of `batches` as right-padded tensors, in batch order:
 
@@ -426,6 +434,13 @@ def to_torch(
     (rows sampled from the same prompt by one call, e.g. a GRPO group of n, share a group id; every
     other row has its own). Per-trajectory ids, metadata and tree places:
     `PulledBatch.trajectories()`, in the same order.
+
+    With `images` (a vision-language model's batches; needs transformers and Pillow), also the
+    model's image inputs, rebuilt from the exported image bytes by transformers' image processor
+    with the exported `preprocessor_config.json` (or `image_processor`, your own): pixel_values
+    [patches, C * temporal_patch * patch**2] float32 and image_grid_thw [I, 3] int64 of every image
+    of every row, row by row in prompt order (what Qwen-VL models take), and image_counts [B] int64
+    (images per row). Each image's grid is checked against the one the engine expanded it by.
     """
     import torch  # lazily: the proxy process never imports this module, but keep it torch-free anyway
 
@@ -465,9 +480,82 @@ def to_torch(
             key = (info["session_id"], call) if call is not None else (d.batch_id, i)
             group_ids.append(groups.setdefault(key, len(groups)))
     tensors["group_ids"] = torch.tensor(group_ids, dtype=torch.int64)
+    if images:
+        tensors.update(image_inputs(decoded, image_processor))
     if device is not None:
         tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
     return tensors
+
+
+def image_inputs(decoded: Sequence[DecodedBatch], image_processor: Any = None) -> dict[str, torch.Tensor]:
+    """pixel_values, image_grid_thw and image_counts of the batches' rows (see `to_torch`). Each
+    distinct image of a batch is processed once, however many of its rows repeat it."""
+    import torch
+
+    pixel_values: list[torch.Tensor] = []
+    grids: list[torch.Tensor] = []
+    counts: list[int] = []
+    for batch in decoded:
+        processor = image_processor
+        if processor is None and len(batch.tensors["image_refs"]):
+            processor = exported_image_processor(batch)
+        processed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        refs = batch.tensors["image_refs"]
+        for row in range(batch.num_trajectories):
+            span = batch.image_range(row)
+            counts.append(len(span))
+            for k in span:
+                distinct = int(refs[k])
+                if distinct not in processed:
+                    processed[distinct] = _process_image(processor, batch.image_bytes(k))
+                values, grid = processed[distinct]
+                exported = batch.tensors["image_grid_thw"][k].tolist()
+                if grid.tolist() != exported:
+                    raise ValueError(
+                        f"batch {batch.batch_id}: the image processor makes a {tuple(grid.tolist())} grid of "
+                        f"image {k}; the engine expanded it by {tuple(exported)}: another processor "
+                        "configuration than the engine's"
+                    )
+                pixel_values.append(values)
+                grids.append(grid)
+    return {
+        "pixel_values": torch.cat(pixel_values) if pixel_values else torch.zeros((0, 0), dtype=torch.float32),
+        "image_grid_thw": torch.stack(grids) if grids else torch.zeros((0, 3), dtype=torch.int64),
+        "image_counts": torch.tensor(counts, dtype=torch.int64),
+    }
+
+
+def _process_image(processor: Any, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+    """One image's pixel_values and (t, h, w) grid, as the processor makes them of its RGB pixels."""
+    import io
+
+    import torch
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as opened:
+        rgb = opened.convert("RGB")
+    out = processor(images=[rgb], return_tensors="pt")
+    return out["pixel_values"].float(), out["image_grid_thw"][0].to(torch.int64)
+
+
+_PROCESSORS: dict[str, Any] = {}
+
+
+def exported_image_processor(batch: DecodedBatch) -> Any:
+    """transformers' image processor for the batch's exported `preprocessor_config.json` (one per
+    distinct configuration, kept for the process's life)."""
+    vision = batch.vision
+    if not vision or not isinstance(vision.get("processor_config"), dict):
+        raise ValueError(f"batch {batch.batch_id} has images but no processor configuration")
+    config = vision["processor_config"]
+    key = json.dumps(config, sort_keys=True)
+    if key not in _PROCESSORS:
+        from transformers import AutoImageProcessor
+
+        with tempfile.TemporaryDirectory() as directory:
+            (Path(directory) / "preprocessor_config.json").write_text(key)
+            _PROCESSORS[key] = AutoImageProcessor.from_pretrained(directory, local_files_only=True)
+    return _PROCESSORS[key]
 
 
 __all__ = [

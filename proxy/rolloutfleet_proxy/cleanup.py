@@ -19,6 +19,7 @@ from .heap import HeapTrimmer
 from .session import Session
 from .stats import Counters, Gauges
 from .storage import Pending, Storage
+from .storage.images import ImageHolder
 from .store import SessionStore
 
 log = logging.getLogger("rolloutfleet.proxy.cleanup")
@@ -35,9 +36,9 @@ class StaleSessionCleaner:
         gauges: Gauges,
         timeout_s: float,
         interval_s: float,
-        image_references: Callable[[], set[bytes]] = set,
+        image_holders: Callable[[], list[ImageHolder]] = list,
     ):
-        self._image_references = image_references
+        self._image_holders = image_holders
         self._store = store
         self._storage = storage
         self._trimmer = trimmer
@@ -63,14 +64,16 @@ class StaleSessionCleaner:
 
     async def collect_images(self) -> int:
         """Delete the images nothing references any more: no session held, no export batch not yet
-        acknowledged, no request in flight (its pins). Returns how many left."""
+        acknowledged, no request in flight (its pins). Returns how many left. On the loop only the
+        list of holders is taken (one entry per session or batch with images); reading their digests,
+        matching them against the index and deleting files run in a worker thread."""
         images = self._storage.images
         if not len(images):
             return 0
-        gone = images.unreferenced(self._image_references())
-        if gone:
-            await asyncio.to_thread(images.delete_files, gone)
-            self._counters.images_deleted += len(gone)
+        since = images.epoch()  # with the holders, in one step of the loop
+        holders = self._image_holders()
+        gone = await asyncio.to_thread(images.collect, holders, since)
+        self._counters.images_deleted += len(gone)
         return len(gone)
 
     async def run_once(self) -> int:

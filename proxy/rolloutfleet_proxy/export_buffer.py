@@ -114,6 +114,19 @@ class ExportBuffer:
 
 
 def new_batch(
-    batch_id: str, data: bytes, session_ids: list[str], num_tokens: int, ttl_s: float
+    batch_id: str,
+    data: bytes,
+    session_ids: list[str],
+    num_tokens: int,
+    ttl_s: float,
+    image_digests: frozenset[bytes] = frozenset(),
 ) -> ExportBatch:
-    return ExportBatch(batch_id, data, session_ids, num_tokens, time.time(), time.monotonic() + ttl_s)
+    return ExportBatch(
+        batch_id,
+        data,
+        session_ids,
+        num_tokens,
+        time.time(),
+        time.monotonic() + ttl_s,
+        image_digests=image_digests,
+    )

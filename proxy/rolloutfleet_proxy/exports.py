@@ -15,8 +15,8 @@ import asyncio
 import time
 
 from rolloutfleet_wire.errors import ErrorCode
-from rolloutfleet_wire.export_format import encode_batch
-from rolloutfleet_wire.session_tree import SampleShape
+from rolloutfleet_wire.export_format import ExportImages, encode_batch
+from rolloutfleet_wire.session_tree import SampleShape, image_digests_of
 
 from .export_buffer import ExportBatch, ExportBuffer, new_batch
 from .generation import GenerationControl
@@ -42,6 +42,9 @@ class ExportService:
         self._counters = counters
         self._storage = storage
         self.ttl_s = ttl_s
+        # Set at start for a vision-language model: batches then carry their images' bytes and the
+        # processor configuration.
+        self.images: ExportImages | None = None
         # Batches being built: the shutdown drain waits for them, or one finishing after the drain
         # wrote the buffer would be lost.
         self._building = 0
@@ -74,13 +77,15 @@ class ExportService:
             records = [s.to_record() for s in sessions]
             try:
                 data = await asyncio.to_thread(
-                    encode_batch, batch_id, records, self._generation.model_version, shape
+                    encode_batch, batch_id, records, self._generation.model_version, shape, self.images
                 )
                 await self._storage.keep_batch(batch_id, data, sessions, reason)
             except Exception:
                 for session in sessions:
                     self._store.reattach(session)
                 raise
+            # No await from here on: the sessions' images pass from the store's references to the
+            # batch's in one step, so a cleanup cycle never sees them unreferenced.
             for session in sessions:
                 self._store.forget(session, reason)
             batch = new_batch(
@@ -89,6 +94,7 @@ class ExportService:
                 [r.session_id for r in records],
                 sum(len(r.token_ids) for r in records),
                 self.ttl_s,
+                frozenset().union(*(image_digests_of(r) for r in records)),
             )
             self.buffer.add(batch)
             self._counters.batches_exported += 1

@@ -10,7 +10,7 @@ import gc
 import logging
 from typing import Any
 
-from rolloutfleet_wire import session_tree as tree
+from rolloutfleet_wire.export_format import ExportImages
 
 from .admission import AdmissionLimits
 from .chat_tokens import TurnTokenizer
@@ -30,6 +30,7 @@ from .settings import ProxySettings
 from .shutdown import ShutdownDrain
 from .stats import AdmissionCounters, Counters, Gauges
 from .storage import DumpStorage, NoStorage, Storage
+from .storage.images import ImageHolder
 from .store import SessionStore
 from .turns import TurnLimits, TurnService
 from .upstream import SGLangClient
@@ -82,7 +83,7 @@ class ProxyRuntime:
             self.gauges,
             timeout_s=settings.stale_session_timeout_s,
             interval_s=settings.cleanup_interval_s,
-            image_references=self._image_references,
+            image_holders=self._image_holders,
         )
         self.tokenizer = tokenizer
         self.upstream: SGLangClient | None = None
@@ -161,15 +162,12 @@ class ProxyRuntime:
         tasks += self.storage.background_tasks(self._cycle_lock, draining)
         return {task.name: task for task in tasks}
 
-    def _image_references(self) -> set[bytes]:
-        """The images that must stay: those of every session held and of every batch not acknowledged."""
-        referenced: set[bytes] = set()
-        for session in self.store.all_sessions():
-            if session.image_digests:
-                referenced |= tree.image_digests_of(session)
-        for batch in self.exports.buffer:
-            referenced |= batch.image_digests
-        return referenced
+    def _image_holders(self) -> list[ImageHolder]:
+        """What keeps images: every session held and every batch not acknowledged that has any (their
+        digests are read in a worker thread: here only one entry per holder)."""
+        holders: list[ImageHolder] = [s.image_digests for s in self.store.all_sessions() if s.image_digests]
+        holders += [b.image_digests for b in self.exports.buffer if b.image_digests]
+        return holders
 
     async def _log_stats(self) -> None:
         log.info("stats", extra={"fields": self.stats()})
@@ -196,6 +194,9 @@ class ProxyRuntime:
                 load_vision_model, self.settings.tokenizer_path, self.tokenizer.hf_tokenizer
             )
             self.tokenizer.check_images(vision.image_token_id)
+            self.exports.images = ExportImages(
+                self.storage.images.read, vision.image_token_id, vision.processor_config
+            )
         await asyncio.to_thread(self.storage.images.load)
         self.upstream = SGLangClient(
             self.settings.upstream_url,

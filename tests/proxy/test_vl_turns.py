@@ -15,7 +15,7 @@ from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.screenshots import image_part, screenshot
 from rolloutfleet_testkit.sglang_emulator.server import create_app as emulator_app
 from transformers import AutoTokenizer
-from vl_reference import expand_pads, expanded_prompt, image_processor
+from vl_reference import conversation_prompt, expanded_prompt, image_processor
 
 CLICK = {
     "type": "function",
@@ -48,24 +48,8 @@ def outputs_of(trajectory: dict) -> list[list[int]]:
 def reference(
     tokenizer, processor, messages: list[dict], replies: list[int], outputs: list[list[int]], tools=(CLICK,)
 ):
-    """The generation prompt after `messages` as the template renders the whole conversation, with
-    the model's replies (the messages at `replies`) as the ids it generated, not their text
-    re-tokenized (decoding and re-encoding a sampled token need not give it back), and each image
-    placeholder expanded by the processor. A reply's text is a marker in the rendering; the text
-    between markers is tokenized piece by piece (what the template writes around a reply)."""
-    marked = [
-        dict(m, content=f"rfreplymarker{replies.index(i)}") if i in replies else m
-        for i, m in enumerate(messages)
-    ]
-    tools = list(tools) or None
-    text = tokenizer.apply_chat_template(marked, tools=tools, tokenize=False, add_generation_prompt=True)
-    ids: list[int] = []
-    for index in range(len(replies)):
-        before, text = text.split(f"rfreplymarker{index}", 1)
-        ids += tokenizer.encode(before, add_special_tokens=False) + outputs[index]
-    ids += tokenizer.encode(text, add_special_tokens=False)
-    counts = expanded_prompt(tokenizer, processor, messages, tools=tools).image_token_counts
-    return expand_pads(ids, counts)
+    """The reference prompt (`vl_reference.conversation_prompt`) with the click tool offered."""
+    return conversation_prompt(tokenizer, processor, messages, replies, outputs, list(tools) or None)
 
 
 def test_a_screenshot_session_is_recorded_as_the_reference_expands_it(family, tmp_path):

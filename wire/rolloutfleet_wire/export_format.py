@@ -21,8 +21,19 @@ Tensors (N tokens, B trajectories, T turns in the batch):
     turn_finishes  uint8   [T]     how the engine ended each turn: 1 stop, 2 length (cut at max tokens:
                                    frameworks mark such a sample truncated), 3 abort, 0 unknown
     cu_turns       int64   [B+1]   trajectory i has turns cu_turns[i]:cu_turns[i+1]
+Images (vision-language sessions; I images over the batch's samples, D distinct ones, S their bytes):
+    image_data     uint8   [S]     each distinct image's bytes as the client sent them (PNG, JPEG,
+                                   WebP), back to back: an image the batch's samples repeat is in once
+    cu_image_data  int64   [D+1]   distinct image d is image_data[cu_image_data[d]:cu_image_data[d+1]]
+    image_digests  uint8   [D, 32] the sha256 of each distinct image's bytes (what sessions name it by)
+    image_refs     int32   [I]     per image of each sample, in prompt order: its distinct image d
+    image_spans    int32   [I, 2]  per image [offset, tokens]: its run of image tokens in its trajectory
+    image_grid_thw int32   [I, 3]  per image its grid (t, h, w) in patches, as the engine's processor made it
+    cu_images      int64   [B+1]   trajectory i has images cu_images[i]:cu_images[i+1]
 The metadata key `rolloutfleet.export` holds a JSON header (batch id, per-trajectory session ids and
-metadata, and each trajectory's place in its session's tree: `sample` = {turn, parent, call, path}).
+metadata, and each trajectory's place in its session's tree: `sample` = {turn, parent, call, path};
+for a vision-language model `vision` = {image_token_id, processor_config}: the model directory's
+`preprocessor_config.json`, with which a trainer rebuilds `pixel_values` from the image bytes).
 A trajectory is one sample of a session (`session_tree.SampleShape`): by default the path to its
 latest turn (all of a linear session), or one per leaf, or one per turn. Every function here is
 blocking CPU work: call it from a worker thread.
@@ -33,6 +44,7 @@ from __future__ import annotations
 import math
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,14 +53,22 @@ import orjson
 from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
-from .session_record import FINISH_NAMES, TURN_BOUND_FIELDS, SessionRecord, token_versions, turn_finish
+from .session_record import (
+    DIGEST_BYTES,
+    FINISH_NAMES,
+    TURN_BOUND_FIELDS,
+    SessionRecord,
+    image_spans,
+    token_versions,
+    turn_finish,
+)
 from .session_tree import SampleShape, samples
 
 FORMAT = "rolloutfleet.export"
-FORMAT_VERSION = 3
-# Version 1 had no turn_temperatures / turn_tempered, 2 no turn_finishes; their batches (restored after
-# an upgrade) still read.
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+# Version 1 had no turn_temperatures / turn_tempered, 2 no turn_finishes, 3 no images; their batches
+# (restored after an upgrade) still read.
+READABLE_VERSIONS = (1, 2, 3, 4)
 MEDIA_TYPE = "application/vnd.rolloutfleet.safetensors"
 
 TENSOR_DTYPES = {
@@ -65,7 +85,26 @@ TENSOR_DTYPES = {
     "turn_temperatures": np.float32,
     "turn_tempered": np.uint8,
     "turn_finishes": np.uint8,
+    "image_data": np.uint8,
+    "cu_image_data": np.int64,
+    "image_digests": np.uint8,
+    "image_refs": np.int32,
+    "image_spans": np.int32,
+    "image_grid_thw": np.int32,
+    "cu_images": np.int64,
 }
+IMAGE_SPAN_FIELDS = 2  # offset, tokens
+GRID_FIELDS = 3  # t, h, w
+
+
+@dataclass(frozen=True)
+class ExportImages:
+    """What a vision-language model's batches carry besides tokens: each image's bytes (`read`, by
+    sha256; blocking, like encoding) and what a trainer rebuilds the model's image inputs with."""
+
+    read: Callable[[bytes], bytes]
+    image_token_id: int
+    processor_config: dict[str, Any]  # preprocessor_config.json's content
 
 
 class BatchFormatError(ValueError):
@@ -111,7 +150,38 @@ class DecodedBatch:
             "turn_finishes": [
                 FINISH_NAMES.get(int(x), "unknown") for x in t["turn_finishes"][first_turn:last_turn]
             ],
+            # The bytes are in the safetensors batch only (`image_bytes`).
+            "images": [
+                {
+                    "offset": int(t["image_spans"][k, 0]),
+                    "tokens": int(t["image_spans"][k, 1]),
+                    "grid_thw": t["image_grid_thw"][k].tolist(),
+                    "sha256": t["image_digests"][t["image_refs"][k]].tobytes().hex(),
+                }
+                for k in self.image_range(i)
+            ],
         }
+
+    @property
+    def vision(self) -> dict[str, Any] | None:
+        """`image_token_id` and `processor_config` of a vision-language model's batch, else None."""
+        vision: dict[str, Any] | None = self.header.get("vision")
+        return vision
+
+    def image_digest_set(self) -> frozenset[bytes]:
+        """The sha256 of every distinct image of the batch."""
+        return frozenset(row.tobytes() for row in self.tensors["image_digests"])
+
+    def image_range(self, i: int) -> range:
+        """The batch's images (indexes into image_refs, image_spans, image_grid_thw) of trajectory i."""
+        cu = self.tensors["cu_images"]
+        return range(int(cu[i]), int(cu[i + 1]))
+
+    def image_bytes(self, k: int) -> bytes:
+        """The bytes of the batch's image k (of image_refs), as the client sent them."""
+        t = self.tensors
+        d = int(t["image_refs"][k])
+        return t["image_data"][int(t["cu_image_data"][d]) : int(t["cu_image_data"][d + 1])].tobytes()
 
 
 def _finite_or_none(value: float) -> float | None:
@@ -127,10 +197,61 @@ def _token_versions(record: SessionRecord) -> np.ndarray:
     return np.frombuffer(token_versions(record), np.int32)
 
 
+def _image_tensors(records: list[SessionRecord], images: ExportImages | None) -> dict[str, np.ndarray]:
+    """The samples' images: each distinct one's bytes once, then per sample its images in order."""
+    distinct: dict[bytes, int] = {}
+    refs: list[int] = []
+    spans: list[tuple[int, int]] = []
+    grids: list[tuple[int, int, int]] = []
+    counts: list[int] = []
+    for record in records:
+        found = image_spans(record)
+        counts.append(len(found))
+        for image in found:
+            refs.append(distinct.setdefault(image.digest, len(distinct)))
+            spans.append((image.offset, image.tokens))
+            grids.append(image.grid)
+    if distinct and images is None:
+        raise ValueError("the sessions hold images, but no image store was given to read them from")
+    data = bytearray()  # one image read at a time, appended: no list of copies
+    ends = [0]
+    for digest in distinct:
+        assert images is not None
+        data += images.read(digest)
+        ends.append(len(data))
+    return {
+        "image_data": np.frombuffer(data, np.uint8),
+        "cu_image_data": np.array(ends, np.int64),
+        "image_digests": np.frombuffer(b"".join(distinct), np.uint8).reshape(-1, DIGEST_BYTES),
+        "image_refs": np.array(refs, np.int32),
+        "image_spans": np.array(spans, np.int32).reshape(-1, IMAGE_SPAN_FIELDS),
+        "image_grid_thw": np.array(grids, np.int32).reshape(-1, GRID_FIELDS),
+        "cu_images": np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
+    }
+
+
+def _no_images(trajectories: int) -> dict[str, np.ndarray]:
+    """The image tensors of a batch written before images were exported."""
+    return {
+        "image_data": np.zeros(0, np.uint8),
+        "cu_image_data": np.zeros(1, np.int64),
+        "image_digests": np.zeros((0, DIGEST_BYTES), np.uint8),
+        "image_refs": np.zeros(0, np.int32),
+        "image_spans": np.zeros((0, IMAGE_SPAN_FIELDS), np.int32),
+        "image_grid_thw": np.zeros((0, GRID_FIELDS), np.int32),
+        "cu_images": np.zeros(trajectories + 1, np.int64),
+    }
+
+
 def encode_batch(
-    batch_id: str, sessions: list[SessionRecord], model_version: int, shape: SampleShape | None = None
+    batch_id: str,
+    sessions: list[SessionRecord],
+    model_version: int,
+    shape: SampleShape | None = None,
+    images: ExportImages | None = None,
 ) -> bytes:
-    """The safetensors bytes of one batch of finished sessions, each as the samples `shape` asks."""
+    """The safetensors bytes of one batch of finished sessions, each as the samples `shape` asks;
+    a vision-language model's (`images`) with their images and its processor configuration."""
     shape = shape or SampleShape()
     records: list[SessionRecord] = []
     places: list[dict[str, Any]] = []
@@ -167,6 +288,7 @@ def encode_batch(
         "turn_finishes": np.array(
             [turn_finish(r, t) for r, n in zip(records, turn_counts, strict=True) for t in range(n)], np.uint8
         ),
+        **_image_tensors(records, images),
     }
     header = {
         "format": FORMAT,
@@ -182,6 +304,9 @@ def encode_batch(
             {"session_id": r.session_id, "metadata": r.metadata, "created_at": r.created_at, "sample": place}
             for r, place in zip(records, places, strict=True)
         ],
+        "vision": None
+        if images is None
+        else {"image_token_id": images.image_token_id, "processor_config": images.processor_config},
     }
     return safetensors_save(tensors, metadata={FORMAT: orjson.dumps(header).decode()})
 
@@ -209,6 +334,9 @@ def decode_batch(data: bytes) -> DecodedBatch:
         tensors.setdefault("turn_tempered", np.zeros(turns, np.uint8))
     if header["format_version"] < 3:
         tensors.setdefault("turn_finishes", np.zeros(len(tensors.get("turn_versions", ())), np.uint8))
+    if header["format_version"] < 4:
+        for name, empty in _no_images(len(tensors.get("rewards", ()))).items():
+            tensors.setdefault(name, empty)
     for name, dtype in TENSOR_DTYPES.items():
         if name not in tensors or tensors[name].dtype != dtype:
             raise BatchFormatError(f"tensor {name} is missing or not {np.dtype(dtype).name}")
@@ -227,10 +355,28 @@ def decode_batch(data: bytes) -> DecodedBatch:
         and len(t["turn_temperatures"]) == len(t["turn_tempered"]) == len(t["turn_versions"])
         and len(t["turn_finishes"]) == len(t["turn_versions"])
         and isinstance(header.get("batch_id"), str)
+        and _images_consistent(t, b)
     )
     if not consistent:
         raise BatchFormatError("tensors and header of the batch do not agree")
     return DecodedBatch(header, tensors)
+
+
+def _images_consistent(t: dict[str, np.ndarray], trajectories: int) -> bool:
+    distinct, count = len(t["image_digests"]), len(t["image_refs"])
+    return (
+        len(t["cu_images"]) == trajectories + 1
+        and int(t["cu_images"][-1]) == count
+        and bool(np.all(np.diff(t["cu_images"]) >= 0))
+        and t["image_spans"].shape == (count, IMAGE_SPAN_FIELDS)
+        and t["image_grid_thw"].shape == (count, GRID_FIELDS)
+        and t["image_digests"].shape == (distinct, DIGEST_BYTES)
+        and len(t["cu_image_data"]) == distinct + 1
+        and int(t["cu_image_data"][0]) == 0
+        and int(t["cu_image_data"][-1]) == len(t["image_data"])
+        and bool(np.all(np.diff(t["cu_image_data"]) >= 0))
+        and bool(np.all((t["image_refs"] >= 0) & (t["image_refs"] < distinct)))
+    )
 
 
 def batch_json(data: bytes) -> bytes:
@@ -243,6 +389,7 @@ def batch_json(data: bytes) -> bytes:
             "model_version": batch.header["model_version"],
             "num_trajectories": batch.num_trajectories,
             "num_tokens": len(batch.tensors["input_ids"]),
+            "vision": batch.vision,
             "trajectories": [batch.trajectory(i) for i in range(batch.num_trajectories)],
         }
     )

@@ -80,10 +80,13 @@ class TinyCausalLM(nn.Module):
                 values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
                 param.copy_(values * scales[name.split(".")[0]])
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None):
-        """input_ids: 1-D LongTensor. Returns (logits [T, V], hidden state for continuing)."""
+    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None, last_only: bool = False):
+        """input_ids: 1-D LongTensor. Returns (logits [T, V], or [1, V] of the last position with
+        `last_only`, and the hidden state for continuing). A prefill needs only the last: the logits
+        of every position of a 50k-token prompt over a 151k vocabulary would be 30 GB."""
         states, hidden = self.gru(self.embed(input_ids).unsqueeze(0), hidden)
-        return self.head(states.squeeze(0)), hidden
+        states = states.squeeze(0)
+        return self.head(states[-1:] if last_only else states), hidden
 
     def final_logits(self, raw_logits: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
         """The logits that decide output position(s) `position` (0-based): raw plus the EOS

@@ -273,7 +273,7 @@ class Scheduler:
                 if request.hidden is None:  # prefill: the input and any output made before a retract
                     prompt = request.input_ids if request.embed_ids is None else request.embed_ids
                     ids = torch.tensor(prompt + request.output_ids, dtype=torch.long)
-                    logits, request.hidden = model(ids)
+                    logits, request.hidden = model(ids, last_only=True)
                     request.next_logits = logits[-1]
                 assert request.next_logits is not None
                 token, logprob = self._choose(model, request)

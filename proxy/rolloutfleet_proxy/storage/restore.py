@@ -298,6 +298,7 @@ async def restore_batches(dump_dir: Path, ttl_s: float, counters: Counters) -> l
             num_tokens=len(decoded.tensors["input_ids"]),
             created_at=float(decoded.header.get("created_at", time.time())),
             expires_at=time.monotonic() + ttl_s,
+            image_digests=decoded.image_digest_set(),
         )
         del decoded
         counters.batches_restored += 1
