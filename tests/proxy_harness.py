@@ -42,6 +42,17 @@ class RunningProxy:
     def stats(self) -> dict:
         return httpx.get(f"{self.url}/stats").json()
 
+    def chat_turn(self, sid: str, key: str, messages: list[dict], **params) -> dict:
+        """One chat turn that must succeed; its answer's JSON."""
+        answer = httpx.post(
+            f"{self.url}/v1/sessions/{sid}/chat/completions",
+            headers=bearer(key),
+            json=chat_body(messages, **params),
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
 
 @contextlib.contextmanager
 def running_proxy(

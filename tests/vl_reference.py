@@ -25,6 +25,17 @@ from dataclasses import dataclass
 IMAGE_PAD_ID = 151655  # <|image_pad|> in Qwen's vocabulary (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)
 
 
+# A computer-use agent's tool, for conversations with tool calls and results.
+CLICK = {
+    "type": "function",
+    "function": {
+        "name": "click",
+        "description": "Click at a point of the screen",
+        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+    },
+}
+
+
 @dataclass(frozen=True)
 class ImagePrompt:
     placeholder_ids: list[int]

@@ -19,16 +19,7 @@ from rolloutfleet_testkit.screenshots import image_part, screenshot
 from rolloutfleet_testkit.sglang_emulator.server import create_app as emulator_app
 from rolloutfleet_testkit.waiting import wait_for
 from transformers import AutoTokenizer
-from vl_reference import conversation_prompt, image_processor
-
-CLICK = {
-    "type": "function",
-    "function": {
-        "name": "click",
-        "description": "Click at a point of the screen",
-        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
-    },
-}
+from vl_reference import CLICK, conversation_prompt, image_processor
 
 
 def user(text: str, shot: bytes) -> dict:

@@ -46,14 +46,9 @@ def play(proxy, shots: list[bytes]) -> tuple[str, str, list[dict]]:
     messages: list[dict] = []
     for i, shot in enumerate([*shots, shots[0]]):
         messages.append(user(f"Step {i}: what next?", shot))
-        answer = httpx.post(
-            f"{proxy.url}/v1/sessions/{sid}/chat/completions",
-            headers=bearer(key),
-            json=chat_body(messages, max_tokens=2, temperature=0),
-            timeout=120,
+        messages.append(
+            proxy.chat_turn(sid, key, messages, max_tokens=2, temperature=0)["choices"][0]["message"]
         )
-        assert answer.status_code == 200, answer.text
-        messages.append(answer.json()["choices"][0]["message"])
     rewarded = httpx.post(f"{proxy.url}/v1/sessions/{sid}/reward", headers=bearer(key), json={"reward": 1.0})
     assert rewarded.status_code == 200, rewarded.text
     assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/finish", headers=bearer(key)).status_code == 200

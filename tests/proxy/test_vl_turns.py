@@ -15,16 +15,7 @@ from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.screenshots import image_part, screenshot
 from rolloutfleet_testkit.sglang_emulator.server import create_app as emulator_app
 from transformers import AutoTokenizer
-from vl_reference import conversation_prompt, expanded_prompt, image_processor
-
-CLICK = {
-    "type": "function",
-    "function": {
-        "name": "click",
-        "description": "Click at a point of the screen",
-        "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
-    },
-}
+from vl_reference import CLICK, conversation_prompt, expanded_prompt, image_processor
 
 
 @pytest.fixture(scope="module", params=["qwen25_vl", "qwen3_vl"])
@@ -145,18 +136,12 @@ def test_behind_the_real_router_the_counts_stand_in_for_the_expanded_ids(tmp_pat
         messages: list[dict] = []
         for text, shot in (("Look.", shots[0]), ("And now?", shots[1])):
             messages.append({"role": "user", "content": [{"type": "text", "text": text}, image_part(shot)]})
-            answer = httpx.post(
-                f"{proxy.url}/v1/sessions/{sid}/chat/completions",
-                headers=bearer(key),
-                json=chat_body(messages, max_tokens=2, temperature=0),
-                timeout=120,
-            )
-            assert answer.status_code == 200, answer.text
-            messages.append(answer.json()["choices"][0]["message"])
+            answer = proxy.chat_turn(sid, key, messages, max_tokens=2, temperature=0)
+            messages.append(answer["choices"][0]["message"])
         trajectory = proxy.get(sid, key).json()["trajectory"]
         assert [i["tokens"] for i in trajectory["images"]] == [299, 1196]
         outputs = outputs_of(trajectory)
         messages.pop()
         marked = reference(tokenizer, processor, messages, [1], outputs, tools=())
         assert prompt_of(trajectory) == marked
-        assert answer.json()["usage"]["prompt_tokens"] == len(marked)
+        assert answer["usage"]["prompt_tokens"] == len(marked)

@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,19 +232,24 @@ def build_helm(bin_dir: Path, version: str = HELM_VERSION) -> Path:
     return bin_dir / "helm"
 
 
+def built_once(path: Path, name: str, version: str, build: Callable[[], object]) -> Path:
+    """`path`, built by `build` unless it exists. The build holds a lock of its own: ./dev test
+    prepares in the background while the tests that need a tool run, and they wait for it here."""
+    if path.exists():
+        return path
+    with exclusive(f"build-{name}-{version}"):
+        if not path.exists():  # else built by the holder we waited for
+            if shutil.which("go") is None:
+                raise RuntimeError(f"Go is needed to build {name} (or set {ASSETS_ENV})")
+            say(f"building {name} {version} into {path.parent} (first run only)")
+            build()
+    return path
+
+
 def ensure_helm() -> Path:
     """helm (the chart's tests render with it), built on first use; returns its path."""
     path = binaries_dir() / "helm"
-    if path.exists():
-        return path
-    # Held while building: ./dev test prepares in the background while tests that need helm run.
-    with exclusive(f"build-helm-{HELM_VERSION}"):
-        if not path.exists():
-            if shutil.which("go") is None:
-                raise RuntimeError("Go is needed to build helm (or set ROLLOUTFLEET_K8S_ASSETS)")
-            say(f"building helm {HELM_VERSION} into {path.parent} (first run only)")
-            build_helm(path.parent)
-    return path
+    return built_once(path, "helm", HELM_VERSION, lambda: build_helm(path.parent))
 
 
 def main_go_mod(module: str, go_version: str, requires: dict[str, str]) -> str:
@@ -286,24 +292,18 @@ def ensure_go_tool(name: str, package: str, version: str, tags: str = "") -> Pat
     """A tool built with `go install package@version` from the Go module proxy on first use and
     cached per version; returns its path."""
     path = go_tool_path(name, version)
-    if path.exists():
-        return path
-    # Held while building: ./dev test prepares in the background while tests that need the tool run.
-    with exclusive(f"build-{name}-{version}"):
-        if path.exists():  # built by the holder we waited for
-            return path
-        if shutil.which("go") is None:
-            raise RuntimeError(f"Go is needed to build {name}")
+
+    def install() -> None:
         work = path.parent.parent / "src"
         work.mkdir(parents=True, exist_ok=True)
-        say(f"building {name} {version} into {path.parent} (first run only; a few minutes on 2 cores)")
         go(
             go_install_args(package, version, tags),
             cwd=work,
             progress_label=name,
             env={"GOBIN": str(path.parent)},
         )
-    return path
+
+    return built_once(path, name, version, install)
 
 
 def go_install_args(package: str, version: str, tags: str = "") -> list[str]:
@@ -354,16 +354,10 @@ def ensure_registry(version: str = REGISTRY_VERSION) -> Path:
     """The OCI distribution registry (`registry serve CONFIG`), built on first use from REGISTRY_MAIN
     at that release; returns its path."""
     path = go_tool_path("registry", version)
-    if path.exists():
-        return path
-    with exclusive(f"build-registry-{version}"):
-        if not path.exists():
-            if shutil.which("go") is None:
-                raise RuntimeError("Go is needed to build registry")
-            say(f"building registry {version} (filesystem storage, htpasswd auth) into {path.parent}")
-            requires = {"github.com/distribution/distribution/v3": version}
-            build_main_module("registry", REGISTRY_MAIN, requires, path)
-    return path
+    requires = {"github.com/distribution/distribution/v3": version}
+    return built_once(
+        path, "registry", version, lambda: build_main_module("registry", REGISTRY_MAIN, requires, path)
+    )
 
 
 def ensure_kube_score(version: str = KUBE_SCORE_VERSION) -> Path:
