@@ -28,6 +28,17 @@ IMAGES = ("proxy", "operator", "sglang-router", "testkit", "busybox")
 GPU_IMAGES = ("sglang-emulator",)  # gigabytes (torch): only where engines run
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `kind` run on the kind cluster `./dev kind test` makes: deselected unless the
+    run's -m expression names them (the default run has no Docker to make one)."""
+    if "kind" in (config.getoption("markexpr") or ""):
+        return
+    kept = [item for item in items if item.get_closest_marker("kind") is None]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+
+
 @dataclass
 class Cluster:
     kubeconfig: str

@@ -371,6 +371,34 @@ def ensure_kwok(version: str = KWOK_VERSION) -> Path:
     return ensure_go_tool("kwok", "sigs.k8s.io/kwok/cmd/kwok", version)
 
 
+def ensure_kubeadm() -> Path:
+    """kubeadm, which only kind's nodes run (they bootstrap with it), built on first use from the
+    same wrapper module and version flags as the release's other binaries; returns its path."""
+    bin_dir = ensure_binaries()
+    path = cache_root() / KUBERNETES_VERSION / "kind-bin" / "kubeadm"
+
+    def build_kubeadm() -> None:
+        staged = path.with_name("kubeadm.partial")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        go(
+            [
+                "build",
+                "-v",
+                "-trimpath",
+                "-ldflags",
+                version_ldflags(KUBERNETES_VERSION),
+                "-o",
+                str(staged),
+                "k8s.io/kubernetes/cmd/kubeadm",
+            ],
+            cwd=bin_dir.parent / "src",
+            progress_label="kubeadm",
+        )
+        staged.replace(path)
+
+    return built_once(path, "kubeadm", KUBERNETES_VERSION, build_kubeadm)
+
+
 def binaries_dir() -> Path:
     """Where the binaries are: ROLLOUTFLEET_K8S_ASSETS if it holds them all, else the per-version cache."""
     assets = os.environ.get(ASSETS_ENV) or os.environ.get("KUBEBUILDER_ASSETS")

@@ -48,13 +48,24 @@ def base_layer() -> Path:
     shutil.rmtree(rootfs, ignore_errors=True)
     rootfs.mkdir(parents=True)
     say(f"debootstrap {SUITE} (minbase + {', '.join(PACKAGES)}) into {rootfs}; ~1 min the first time")
+    debootstrap(rootfs, PACKAGES)
+    like_the_official_image(rootfs)
+    # The tree's own mtimes: Debian compiled the stdlib's .pyc files against them (fixed times would
+    # make every start of a non-root container compile the stdlib again).
+    tar_layer(rootfs, layer, mtime=None)
+    say(f"base image built in {time.monotonic() - started:.0f}s ({layer.stat().st_size / 2**20:.0f} MiB)")
+    return layer
+
+
+def debootstrap(rootfs: Path, packages: tuple[str, ...]) -> None:
+    """A minbase Debian SUITE with `packages` into `rootfs`, the downloaded .debs kept in the cache."""
     cache_dir = images_cache() / "debootstrap-cache"
     cache_dir.mkdir(exist_ok=True)
     result = subprocess.run(
         [
             "debootstrap",
             "--variant=minbase",
-            f"--include={','.join(PACKAGES)}",
+            f"--include={','.join(packages)}",
             f"--cache-dir={cache_dir}",
             SUITE,
             str(rootfs),
@@ -65,12 +76,6 @@ def base_layer() -> Path:
     )
     if result.returncode != 0:
         raise RuntimeError(f"debootstrap failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    like_the_official_image(rootfs)
-    # The tree's own mtimes: Debian compiled the stdlib's .pyc files against them (fixed times would
-    # make every start of a non-root container compile the stdlib again).
-    tar_layer(rootfs, layer, mtime=None)
-    say(f"base image built in {time.monotonic() - started:.0f}s ({layer.stat().st_size / 2**20:.0f} MiB)")
-    return layer
 
 
 def base_rootfs() -> Path:

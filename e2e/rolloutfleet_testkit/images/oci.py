@@ -117,10 +117,22 @@ class ImportFailed(RuntimeError):
     after a containerd killed mid-write, or images removed by the kubelet's disk-pressure GC)."""
 
 
-def import_archive(archive: Path, address: str, namespace: str = "k8s.io") -> None:
+def import_archive(
+    archive: Path, address: str, namespace: str = "k8s.io", options: tuple[str, ...] = ()
+) -> None:
     """`ctr images import` into the containerd at `address` (its socket), unpacked for its default
-    snapshotter (what the CRI plugin runs containers from)."""
-    command = ["ctr", "--address", address, "--namespace", namespace, "images", "import", str(archive)]
+    snapshotter (what the CRI plugin runs containers from) unless `options` say otherwise."""
+    command = [
+        "ctr",
+        "--address",
+        address,
+        "--namespace",
+        namespace,
+        "images",
+        "import",
+        *options,
+        str(archive),
+    ]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=IMPORT_TIMEOUT_S)
     except FileNotFoundError as error:

@@ -10,10 +10,16 @@ from .cache import images_cache
 from .oci import sha256_file, tar_layer, write_image_archive
 
 
-def static_image(binary: Path, name: str, entrypoint: list[str], links: tuple[str, ...] = ()) -> Path:
-    """An archive with `binary` at /bin/<entrypoint[0] basename>, named `name`; `links` are more
-    names for it in /bin (busybox's applets)."""
-    key = sha256_file(binary)[:16]
+def static_image(
+    binary: Path,
+    name: str,
+    entrypoint: list[str],
+    links: tuple[str, ...] = (),
+    more_names: tuple[str, ...] = (),
+) -> Path:
+    """An archive with `binary` at `entrypoint[0]`, named `name` (and `more_names`); `links` are
+    more names for it in its directory (busybox's applets)."""
+    key = sha256_file(binary)[:16] if not more_names else f"{sha256_file(binary)[:12]}-{len(more_names)}"
     out = images_cache() / "static" / f"{name.replace('/', '_').replace(':', '_')}-{key}.tar"
     if out.exists():
         return out
@@ -33,6 +39,6 @@ def static_image(binary: Path, name: str, entrypoint: list[str], links: tuple[st
     (rootfs / "etc" / "passwd").write_text("root:x:0:0:root:/:/bin/sh\nnobody:x:65534:65534::/:/bin/false\n")
     (rootfs / "etc" / "group").write_text("root:x:0:\nnogroup:x:65534:\n")
     layer = tar_layer(rootfs, work / "layer.tar")
-    write_image_archive(out, [layer], {"Entrypoint": entrypoint, "Env": ["PATH=/bin"]}, [name])
+    write_image_archive(out, [layer], {"Entrypoint": entrypoint, "Env": ["PATH=/bin"]}, [name, *more_names])
     shutil.rmtree(work)
     return out

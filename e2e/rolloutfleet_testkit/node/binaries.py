@@ -31,6 +31,26 @@ COREDNS_PLUGINS = (
     "kubernetes",
 )
 
+# kubeadm's Corefile (what kind's clusters run) also uses prometheus, loop and forward, in CoreDNS's
+# directive order.
+KUBEADM_COREDNS_PLUGINS = (
+    "reload",
+    "bind",
+    "ready",
+    "health",
+    "prometheus",
+    "errors",
+    "log",
+    "loadbalance",
+    "cache",
+    "hosts",
+    "kubernetes",
+    "loop",
+    "forward",
+)
+# The plugin directory of those whose name differs from their directive.
+PLUGIN_PACKAGES = {"prometheus": "metrics"}
+
 PAUSE_MAIN = """package main
 
 // The pod sandbox's first process: holds the pod's namespaces open, sleeps until signalled and
@@ -64,7 +84,9 @@ func main() {
 
 def coredns_main(plugins: tuple[str, ...] = COREDNS_PLUGINS) -> str:
     """main.go of a CoreDNS with exactly `plugins`, in that order (pure)."""
-    imports = "\n".join(f'\t_ "github.com/coredns/coredns/plugin/{name}"' for name in plugins)
+    imports = "\n".join(
+        f'\t_ "github.com/coredns/coredns/plugin/{PLUGIN_PACKAGES.get(name, name)}"' for name in plugins
+    )
     directives = ", ".join(f'"{name}"' for name in plugins)
     return (
         "package main\n\n"
@@ -97,3 +119,18 @@ def ensure_node_binaries() -> Path:
         say(f"building the pause program {PAUSE_VERSION}")
         build_main_module("pause", PAUSE_MAIN, {}, pause)
     return bin_dir
+
+
+def ensure_kubeadm_coredns() -> Path:
+    """The CoreDNS kubeadm's Corefile needs (KUBEADM_COREDNS_PLUGINS), built on first use."""
+    path = node_binaries_dir() / f"coredns-kubeadm-{COREDNS_VERSION}"
+    if not path.exists():
+        plugins = ", ".join(KUBEADM_COREDNS_PLUGINS)
+        say(f"building CoreDNS {COREDNS_VERSION} for kubeadm's Corefile ({plugins})")
+        build_main_module(
+            "coredns-kubeadm",
+            coredns_main(KUBEADM_COREDNS_PLUGINS),
+            {"github.com/coredns/coredns": COREDNS_VERSION},
+            path,
+        )
+    return path

@@ -1,0 +1,48 @@
+"""python -m rolloutfleet_testkit.kind up|down|test|image [ARGS]
+
+up     Docker (from Debian), kind, the node image, a control-plane node and a GPU-like worker, our
+       CNI, the project's images loaded; prints the environment for the e2e suite
+down   the cluster, Docker and its packages gone; every host setting put back and checked
+test   up, pytest ARGS against the cluster (default: the kind smoke), down (also on failure)
+image  build the node image archive only (no Docker needed) and print its path
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from .cluster import DEFAULT_IMAGES, down, environment_lines, up
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = args.pop(0) if args else ""
+    if command == "up":
+        print(environment_lines(up(args or DEFAULT_IMAGES)), end="")
+    elif command == "down":
+        down()
+    elif command == "image":
+        from .nodeimage import node_image
+
+        print(node_image())
+    elif command == "test":
+        status = 1
+        try:
+            env = up((*DEFAULT_IMAGES, "sglang-emulator"))
+            pytest_args = args or ["e2e/tests/test_kind_smoke.py", "-m", "kind", "-x"]
+            status = subprocess.run(
+                [sys.executable, "-m", "pytest", *pytest_args], env={**os.environ, **env}
+            ).returncode
+        finally:
+            down()
+        return status
+    else:
+        print(__doc__, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,117 @@
+"""The kind smoke (issue 29): on a kind cluster made by `./dev kind test` (marker `kind`, not in the
+default run), the CRD and the operator installed with Helm, the GPU sample fleet (adapted as on the
+local cluster: its volumes in the directory the kind nodes share with this machine) Ready with its
+engine on the GPU-like worker, a session's turn through a proxy, and that proxy deleted and
+restored under its name with the session, token for token."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from fleet_watch import all_replaced_and_available, proxy_pods
+from operator_install import installed_operator
+from rolloutfleet_testkit import fleet_setup
+from rolloutfleet_testkit.kind.config import SHARED_ENV
+from rolloutfleet_testkit.waiting import wait_for
+
+pytestmark = [pytest.mark.e2e, pytest.mark.kind]
+
+NAMESPACE = "kind-smoke"
+FLEET = "gpu"
+READY_S = 600  # the engine image (torch) starts slowly on a loaded 2-core machine
+
+
+def status(cluster) -> dict:
+    fleet = json.loads(cluster.kubectl("get", "rf", FLEET, "-n", NAMESPACE, "-o", "json").stdout)
+    return fleet.get("status", {})
+
+
+def test_gpu_sample_fleet_on_kind_restores_a_deleted_proxy(cluster, test_tokenizer_dir):
+    shared = os.environ.get(SHARED_ENV)
+    assert shared, (
+        f"runs on the cluster `./dev kind test` makes ({SHARED_ENV} names the nodes' shared directory)"
+    )
+    tokenizer = Path(shared) / "tokenizer"
+    shutil.rmtree(tokenizer, ignore_errors=True)
+    shutil.copytree(test_tokenizer_dir, tokenizer)
+    fleet_setup.pod_readable(tokenizer)
+    dumps = fleet_setup.pod_writable(Path(shared) / "dumps")
+    with installed_operator(cluster, NAMESPACE, "smoke"):
+        fleet = fleet_setup.local_fleet(FLEET, NAMESPACE, tokenizer, dumps)
+        replicas = fleet["spec"]["proxy"]["replicas"]
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
+        wait_for(
+            lambda: fleet_setup.fleet_ready(status(cluster), replicas),
+            timeout_s=READY_S,
+            what="the GPU sample fleet Ready",
+            interval_s=2,
+            detail=lambda: cluster.kubectl("get", "pods", "-n", NAMESPACE, "-o", "wide", check=False).stdout,
+        )
+        engines = json.loads(
+            cluster.kubectl(
+                "get",
+                "pods",
+                "-n",
+                NAMESPACE,
+                "-l",
+                fleet_setup.component_selector(FLEET, "engine"),
+                "-o",
+                "json",
+            ).stdout
+        )["items"]
+        gpu_nodes = cluster.kubectl("get", "nodes", "-l", "nvidia.com/gpu.present=true", "-o", "name").stdout
+        assert engines and all(f"node/{pod['spec']['nodeName']}" in gpu_nodes.split() for pod in engines)
+
+        pods = json.loads(
+            cluster.kubectl(
+                "get",
+                "pods",
+                "-n",
+                NAMESPACE,
+                "-l",
+                fleet_setup.component_selector(FLEET, "proxy"),
+                "-o",
+                "json",
+            ).stdout
+        )
+        name, url = sorted(fleet_setup.pod_urls(pods, fleet_setup.PROXY_PORT).items())[0]
+        secret = json.loads(
+            cluster.kubectl("get", "secret", f"{FLEET}-admin-key", "-n", NAMESPACE, "-o", "json").stdout
+        )
+        key = fleet_setup.admin_key(secret)
+        session_id, _ = fleet_setup.create_session(url, key)
+        fleet_setup.one_turn(url, session_id, key, [{"role": "user", "content": "Hello from kind"}])
+        recorded = fleet_setup.session_tokens(url, session_id, key)
+
+        before = {name: proxy_pods(cluster, NAMESPACE, FLEET)[name]["metadata"]["uid"]}
+        cluster.kubectl("delete", "pod", name, "-n", NAMESPACE)
+        wait_for(
+            lambda: all_replaced_and_available(proxy_pods(cluster, NAMESPACE, FLEET), before),
+            timeout_s=300,
+            what=f"{name} replaced",
+            interval_s=1,
+        )
+        wait_for(
+            lambda: fleet_setup.fleet_ready(status(cluster), replicas), timeout_s=300, what="Ready again"
+        )
+        pods = json.loads(
+            cluster.kubectl(
+                "get",
+                "pods",
+                "-n",
+                NAMESPACE,
+                "-l",
+                fleet_setup.component_selector(FLEET, "proxy"),
+                "-o",
+                "json",
+            ).stdout
+        )
+        restored = fleet_setup.session_tokens(
+            fleet_setup.pod_urls(pods, fleet_setup.PROXY_PORT)[name], session_id, key
+        )
+        assert restored == recorded
+        cluster.kubectl("delete", "rf", FLEET, "-n", NAMESPACE)

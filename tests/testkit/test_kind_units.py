@@ -1,0 +1,156 @@
+"""The kind cluster's pure decisions: its config, the CNI config and routes that stand in for
+kindnetd, the runtime wrapper, the node image's systemd links, and the host-state diff."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from rolloutfleet_testkit.kind import config, host, nodeimage
+from rolloutfleet_testkit.node.binaries import KUBEADM_COREDNS_PLUGINS, coredns_main
+
+
+def test_cluster_config_has_a_control_plane_and_a_tainted_labelled_gpu_worker_without_kindnetd():
+    parsed = yaml.safe_load(config.cluster_config(cgroup_v1=True, shared_dir="/srv/shared"))
+    assert parsed["networking"] == {"disableDefaultCNI": True, "podSubnet": config.POD_SUBNET}
+    control_plane, worker = parsed["nodes"]
+    shared = [{"hostPath": "/srv/shared", "containerPath": "/srv/shared"}]
+    assert control_plane == {"role": "control-plane", "extraMounts": shared}
+    assert worker["extraMounts"] == shared
+    assert worker["labels"] == {"nvidia.com/gpu.present": "true"}
+    join = yaml.safe_load(worker["kubeadmConfigPatches"][0])
+    assert join["kind"] == "JoinConfiguration"
+    assert join["nodeRegistration"]["taints"] == [
+        {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"}
+    ]
+    kubelet = yaml.safe_load(parsed["kubeadmConfigPatches"][0])
+    assert kubelet == {"kind": "KubeletConfiguration", "failCgroupV1": False}
+
+
+def test_cluster_config_on_cgroup_v2_patches_no_kubelet_setting():
+    assert (
+        yaml.safe_load(config.cluster_config(cgroup_v1=False, shared_dir="/srv/shared"))[
+            "kubeadmConfigPatches"
+        ]
+        == []
+    )
+
+
+def test_cni_conflist_gives_pods_addresses_from_the_nodes_own_cidr():
+    conflist = json.loads(config.cni_conflist("10.244.1.0/24"))
+    ptp, portmap = conflist["plugins"]
+    assert ptp["type"] == "ptp" and ptp["ipMasq"] is True
+    assert ptp["ipam"]["ranges"] == [[{"subnet": "10.244.1.0/24"}]]
+    assert portmap["type"] == "portmap"
+    # Only plugins the node image links into /opt/cni/bin (from Debian's package).
+    assert {p["type"] for p in conflist["plugins"]} | {ptp["ipam"]["type"]} <= set(nodeimage.CNI_PLUGINS)
+    assert ipaddress.ip_network("10.244.1.0/24").subnet_of(ipaddress.ip_network(config.POD_SUBNET))
+
+
+def test_cni_conflist_refuses_a_bad_cidr():
+    with pytest.raises(ValueError):
+        config.cni_conflist("10.244.1.0/33")
+
+
+def test_pod_routes_reach_every_other_node_through_it_and_never_the_node_itself():
+    nodes = [
+        config.KindNode("cp", "172.18.0.2", "10.244.0.0/24"),
+        config.KindNode("gpu", "172.18.0.3", "10.244.1.0/24"),
+        config.KindNode("w2", "172.18.0.4", "10.244.2.0/24"),
+    ]
+    routes = config.pod_routes(nodes)
+    assert routes["cp"] == [
+        ["ip", "route", "replace", "10.244.1.0/24", "via", "172.18.0.3"],
+        ["ip", "route", "replace", "10.244.2.0/24", "via", "172.18.0.4"],
+    ]
+    assert all("10.244.1.0/24" not in route for route in routes["gpu"])
+    assert config.pod_routes(nodes[:1]) == {"cp": []}
+    assert config.host_routes(nodes[:2]) == [
+        ["ip", "route", "replace", "10.244.0.0/24", "via", "172.18.0.2"],
+        ["ip", "route", "replace", "10.244.1.0/24", "via", "172.18.0.3"],
+    ]
+
+
+@pytest.mark.skipif(shutil.which("jq") is None, reason="the wrapper runs jq")
+def test_runtime_wrapper_strips_the_missing_capability_from_spec_and_process(tmp_path):
+    fake_runc = tmp_path / "runc"
+    fake_runc.write_text('#!/bin/bash\necho "runc $*"\n')
+    fake_runc.chmod(0o755)
+    wrapper = tmp_path / "wrapper"
+    wrapper.write_text(config.runtime_wrapper(str(fake_runc)))
+    wrapper.chmod(0o755)
+    caps = ["CAP_CHOWN", "CAP_SYS_RESOURCE", "CAP_NET_ADMIN"]
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(
+        json.dumps({"process": {"capabilities": {"bounding": caps, "effective": caps}}})
+    )
+    process = tmp_path / "process.json"
+    process.write_text(json.dumps({"args": ["sh"], "capabilities": {"permitted": caps}}))
+    out = subprocess.run(
+        [str(wrapper), "create", "--bundle", str(bundle), "x"], capture_output=True, text=True
+    )
+    assert out.stdout.strip() == f"runc create --bundle {bundle} x"
+    spec = json.loads((bundle / "config.json").read_text())["process"]["capabilities"]
+    assert spec == {"bounding": ["CAP_CHOWN", "CAP_NET_ADMIN"], "effective": ["CAP_CHOWN", "CAP_NET_ADMIN"]}
+    subprocess.run([str(wrapper), "exec", f"--process={process}", "x"], check=True, capture_output=True)
+    assert json.loads(process.read_text())["capabilities"]["permitted"] == ["CAP_CHOWN", "CAP_NET_ADMIN"]
+
+
+def test_image_names_are_keyed_by_component():
+    listing = (
+        "registry.k8s.io/kube-apiserver:v1.35.4\nregistry.k8s.io/coredns/coredns:v1.13.1\n"
+        "registry.k8s.io/pause:3.10.1\nregistry.k8s.io/etcd:3.6.6-0\n"
+    )
+    names = config.image_names(listing)
+    assert names["coredns"] == "registry.k8s.io/coredns/coredns:v1.13.1"
+    assert names["etcd"] == "registry.k8s.io/etcd:3.6.6-0"
+    assert set(names) == {"kube-apiserver", "coredns", "pause", "etcd"}
+
+
+def test_wanted_by_reads_the_install_section():
+    unit = "[Unit]\nDescription=x\n[Install]\nWantedBy=multi-user.target graphical.target\n"
+    assert nodeimage.wanted_by(unit) == ["multi-user.target", "graphical.target"]
+    assert nodeimage.wanted_by("[Unit]\n") == []
+
+
+def test_kubeadm_coredns_imports_the_metrics_package_for_the_prometheus_directive():
+    main = coredns_main(KUBEADM_COREDNS_PLUGINS)
+    assert '"github.com/coredns/coredns/plugin/metrics"' in main
+    assert "plugin/prometheus" not in main
+    assert '"prometheus", "errors"' in main and '"loop", "forward"}' in main
+
+
+def test_differences_name_each_changed_sysctl_and_setting():
+    before = {
+        "sysctls": {"kernel.panic": "1", "vm.overcommit_memory": "0"},
+        "links": ["lo", "eth0"],
+        "packages": ["a"],
+    }
+    after = {
+        "sysctls": {"kernel.panic": "10", "vm.overcommit_memory": "0"},
+        "links": ["lo", "eth0", "docker0"],
+        "packages": ["a"],
+    }
+    assert host.differences(before, after) == {
+        "sysctl kernel.panic": ("1", "10"),
+        "links": (["lo", "eth0"], ["lo", "eth0", "docker0"]),
+    }
+    assert host.differences(before, before) == {}
+    assert host.added(before, after, "links") == ["docker0"]
+    assert host.added(after, before, "links") == []
+
+
+def test_recorded_sysctls_cover_the_nodes_and_kinds_own():
+    from rolloutfleet_testkit.node.host import SYSCTLS as NODE_SYSCTLS
+
+    assert set(NODE_SYSCTLS) <= set(host.SYSCTLS)
+    # kind's base image sets these through /etc/sysctl.d in a privileged node, i.e. on the host.
+    assert {"net.ipv4.conf.all.route_localnet", "net.ipv4.conf.all.rp_filter", "fs.protected_regular"} <= set(
+        host.SYSCTLS
+    )
+    assert len(host.SYSCTLS) == len(set(host.SYSCTLS))
