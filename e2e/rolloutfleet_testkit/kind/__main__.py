@@ -13,6 +13,8 @@ import os
 import subprocess
 import sys
 
+from rolloutfleet_testkit.controlplane.build import binaries_dir
+
 from .cluster import DEFAULT_IMAGES, down, environment_lines, up
 
 
@@ -31,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         status = 1
         try:
             env = up((*DEFAULT_IMAGES, "sglang-emulator"))
+            # kubectl and helm for the suite (it takes them from PATH on a cluster it did not start).
+            env["PATH"] = f"{binaries_dir()}{os.pathsep}{os.environ.get('PATH', '')}"
             pytest_args = args or ["e2e/tests/test_kind_smoke.py", "-m", "kind", "-x"]
             status = subprocess.run(
                 [sys.executable, "-m", "pytest", *pytest_args], env={**os.environ, **env}

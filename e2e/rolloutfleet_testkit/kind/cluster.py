@@ -100,7 +100,7 @@ def make_network(nodes: list[KindNode]) -> None:
             node.name,
             "sh",
             "-c",
-            f"cat > {CNI_FILE}",
+            f"mkdir -p {Path(CNI_FILE).parent} && cat > {CNI_FILE}",
             input=cni_conflist(node.pod_cidr),
         )
         for route in routes[node.name]:
