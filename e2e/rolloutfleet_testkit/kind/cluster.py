@@ -138,6 +138,8 @@ def load_images(names: Sequence[str], kind: Path) -> None:
         where = ["--nodes", gpu_nodes] if name in GPU_IMAGES else []
         load = [str(kind), "load", "image-archive", "--name", CLUSTER_NAME, *where, str(archive)]
         checked(*load, timeout=1800)
+        if archive.parent.name == "archives":  # the nodes hold it now (the static images stay cached)
+            archive.unlink(missing_ok=True)
         timed(f"image {name} loaded", started)
 
 
