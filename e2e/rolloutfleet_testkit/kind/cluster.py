@@ -134,11 +134,12 @@ def load_images(names: Sequence[str], kind: Path) -> None:
     )
     for name in names:
         started = time.monotonic()
-        archive = build_image(name).archive()
+        built = build_image(name)
+        archive = built.archive()
         where = ["--nodes", gpu_nodes] if name in GPU_IMAGES else []
         load = [str(kind), "load", "image-archive", "--name", CLUSTER_NAME, *where, str(archive)]
         checked(*load, timeout=1800)
-        if archive.parent.name == "archives":  # the nodes hold it now (the static images stay cached)
+        if built.prebuilt is None:  # the nodes hold it now (gigabytes); a static image's stays cached
             archive.unlink(missing_ok=True)
         timed(f"image {name} loaded", started)
 
