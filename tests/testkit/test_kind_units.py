@@ -154,3 +154,37 @@ def test_recorded_sysctls_cover_the_nodes_and_kinds_own():
         host.SYSCTLS
     )
     assert len(host.SYSCTLS) == len(set(host.SYSCTLS))
+
+
+@pytest.mark.skipif(shutil.which("ctr") is None or shutil.which("go") is None, reason="needs ctr and go")
+def test_kind_tree_lays_kinds_base_files_and_our_parts_over_a_rootfs(tmp_path):
+    """kind's own base files (from its Go module) with its systemd set-up, Debian's containerd, runc
+    and CNI plugins where kind calls them, and the Kubernetes binaries, over a (stub) rootfs."""
+    tree = tmp_path / "tree"
+    for directory in ("etc/systemd", "usr/bin", "sbin", "lib/systemd/system/multi-user.target.wants"):
+        (tree / directory).mkdir(parents=True)
+    (tree / "etc/systemd/journald.conf").write_text("[Journal]\n")
+    (tree / "lib/systemd/system/multi-user.target.wants/getty.target").write_text("")
+    kubelet = tmp_path / "kubelet"
+    kubelet.write_text("#!/bin/sh\n")
+    nodeimage.kind_tree(nodeimage.kind_base_files(), tree, {"kubelet": kubelet})
+
+    wants = tree / "etc/systemd/system/multi-user.target.wants"
+    assert {p.name for p in wants.iterdir()} == {
+        "kubelet.service",
+        "containerd.service",
+        "undo-mount-hacks.service",
+    }
+    assert not (tree / "lib/systemd/system/multi-user.target.wants/getty.target").exists()
+    assert str((tree / "sbin/init").readlink()) == "/usr/lib/systemd/systemd"
+    assert str((tree / "etc/systemd/system/systemd-binfmt.service").readlink()) == "/dev/null"
+    assert str((tree / "usr/local/bin/containerd").readlink()) == "/usr/bin/containerd"
+    assert str((tree / "opt/cni/bin/ptp").readlink()) == "/usr/lib/cni/ptp"
+    spec = json.loads((tree / "etc/containerd/cri-base.json").read_text())
+    assert {"path": "/kind/bin/mount-product-files.sh"} in spec["hooks"]["createContainer"]
+    assert "rlimits" not in spec["process"]
+    assert "restrict_oom_score_adj = true" in (tree / "etc/containerd/config.toml").read_text()
+    assert (tree / "usr/bin/kubelet").read_text() == "#!/bin/sh\n"
+    assert (tree / "kind/version").read_text() == nodeimage.KUBERNETES_VERSION
+    assert "StorageClass" in (tree / "kind/manifests/default-storage.yaml").read_text()
+    assert (tree / "usr/local/bin/entrypoint").stat().st_mode & 0o111
