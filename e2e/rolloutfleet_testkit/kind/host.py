@@ -2,7 +2,7 @@
 by `down`: sysctls (systemd and the kubelet inside a privileged node write the host's), network
 links (docker0, the kind network's bridge, veths), the nftables ruleset (Docker's chains, FORWARD
 policy DROP, masquerading: iptables here is iptables-nft), the Debian packages Docker came in,
-the docker group and Docker's directories. Decisions are pure; `snapshot` and `restore` do the I/O."""
+the docker group and Docker's files. Decisions are pure; `snapshot` and `restore` do the I/O."""
 
 from __future__ import annotations
 
@@ -32,7 +32,8 @@ KIND_SYSCTLS = (
     "net.ipv4.conf.default.rp_filter",
 )
 SYSCTLS = tuple(dict.fromkeys((*NODE_SYSCTLS, *KIND_SYSCTLS)))
-DOCKER_DIRS = ("/var/lib/docker", "/etc/docker", "/run/docker", "/var/lib/containerd-docker")
+# Docker's state, configuration and run-time files (dockerd removes the last ones when it ends well).
+DOCKER_PATHS = ("/var/lib/docker", "/etc/docker", "/run/docker", "/run/docker.sock", "/run/docker.pid")
 DOCKER_GROUP = "docker"
 
 
@@ -60,7 +61,7 @@ def snapshot() -> dict[str, object]:
         "nft ruleset": run("nft", "list", "ruleset", check=False).stdout,
         "packages": installed_packages(),
         "groups": sorted(line.split(":")[0] for line in groups if line),
-        "directories": sorted(d for d in DOCKER_DIRS if os.path.exists(d)),
+        "docker paths": sorted(path for path in DOCKER_PATHS if os.path.lexists(path)),
     }
 
 
@@ -79,7 +80,7 @@ def differences(before: dict[str, object], after: dict[str, object]) -> dict[str
 
 
 def added(before: dict[str, object], after: dict[str, object], key: str) -> list[str]:
-    """What `after[key]` holds that `before[key]` did not (links, packages, groups, directories). Pure."""
+    """What `after[key]` holds that `before[key]` did not (links, packages, groups, paths). Pure."""
     return sorted(set(after.get(key) or ()) - set(before.get(key) or ()))  # type: ignore[call-overload]
 
 
@@ -99,9 +100,12 @@ def restore(before: dict[str, object]) -> dict[str, tuple[object, object]]:
         subprocess.run(
             ["apt-get", "purge", "-y", "-qq", *packages], env=env, capture_output=True, check=False
         )
-    for directory in added(before, now, "directories"):
+    for path in added(before, now, "docker paths"):
         with contextlib.suppress(OSError):
-            shutil.rmtree(directory)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
     if DOCKER_GROUP in added(before, now, "groups"):
         run("groupdel", DOCKER_GROUP, check=False)
     write_sysctls(before["sysctls"])  # type: ignore[arg-type]
