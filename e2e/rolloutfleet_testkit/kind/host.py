@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 from rolloutfleet_testkit.node.host import SYSCTLS as NODE_SYSCTLS
-from rolloutfleet_testkit.node.host import read_sysctls, run, write_sysctls
+from rolloutfleet_testkit.node.host import mounts_under, read_sysctls, run, unmount_under, write_sysctls
 
 # Seen to change (notes/kind.md) or set by kind's /etc/sysctl.d, beyond what a real node changes.
 KIND_SYSCTLS = (
@@ -35,6 +35,7 @@ SYSCTLS = tuple(dict.fromkeys((*NODE_SYSCTLS, *KIND_SYSCTLS)))
 # Docker's state, configuration and run-time files (dockerd removes the last ones when it ends well).
 DOCKER_PATHS = ("/var/lib/docker", "/etc/docker", "/run/docker", "/run/docker.sock", "/run/docker.pid")
 DOCKER_GROUP = "docker"
+DOCKER_MOUNT_ROOTS = ("/var/lib/docker", "/run/docker")  # containers' root filesystems, netns files
 
 
 def _sysctl_values() -> dict[str, str]:
@@ -61,6 +62,7 @@ def snapshot() -> dict[str, object]:
         "nft ruleset": run("nft", "list", "ruleset", check=False).stdout,
         "packages": installed_packages(),
         "groups": sorted(line.split(":")[0] for line in groups if line),
+        "docker mounts": [point for root in DOCKER_MOUNT_ROOTS for point in mounts_under(Path(root))],
         "docker paths": sorted(path for path in DOCKER_PATHS if os.path.lexists(path)),
     }
 
@@ -100,6 +102,8 @@ def restore(before: dict[str, object]) -> dict[str, tuple[object, object]]:
         subprocess.run(
             ["apt-get", "purge", "-y", "-qq", *packages], env=env, capture_output=True, check=False
         )
+    for root in DOCKER_MOUNT_ROOTS:  # dockerd unmounts what it mounted when it ends well
+        unmount_under(Path(root))
     for path in added(before, now, "docker paths"):
         with contextlib.suppress(OSError):
             if os.path.isdir(path) and not os.path.islink(path):
