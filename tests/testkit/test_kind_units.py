@@ -19,7 +19,10 @@ def test_cluster_config_has_a_control_plane_and_a_tainted_labelled_gpu_worker_wi
     assert parsed["networking"] == {"disableDefaultCNI": True, "podSubnet": config.POD_SUBNET}
     control_plane, worker = parsed["nodes"]
     shared = [{"hostPath": "/srv/shared", "containerPath": "/srv/shared"}]
-    assert control_plane == {"role": "control-plane", "extraMounts": shared}
+    assert control_plane["extraMounts"] == shared
+    # The control-plane node is the CPU node: kubeadm's control-plane taint is left off.
+    init = yaml.safe_load(control_plane["kubeadmConfigPatches"][0])
+    assert init == {"kind": "InitConfiguration", "nodeRegistration": {"taints": []}}
     assert worker["extraMounts"] == shared
     assert worker["labels"] == {"nvidia.com/gpu.present": "true"}
     join = yaml.safe_load(worker["kubeadmConfigPatches"][0])

@@ -35,6 +35,8 @@ def cluster_config(cgroup_v1: bool, shared_dir: str, name: str = CLUSTER_NAME) -
         patches.append("kind: KubeletConfiguration\nfailCgroupV1: false\n")
     gpu_join = yaml.safe_dump({"kind": "JoinConfiguration", "nodeRegistration": {"taints": [GPU_TAINT]}})
     shared = {"hostPath": shared_dir, "containerPath": shared_dir}
+    # An explicit empty list: kubeadm then leaves off its control-plane taint.
+    cpu_init = yaml.safe_dump({"kind": "InitConfiguration", "nodeRegistration": {"taints": []}})
     config = {
         "kind": "Cluster",
         "apiVersion": "kind.x-k8s.io/v1alpha4",
@@ -42,7 +44,8 @@ def cluster_config(cgroup_v1: bool, shared_dir: str, name: str = CLUSTER_NAME) -
         "networking": {"disableDefaultCNI": True, "podSubnet": POD_SUBNET},
         "kubeadmConfigPatches": patches,
         "nodes": [
-            {"role": "control-plane", "extraMounts": [shared]},
+            # Untainted: it is also the CPU node (operator, proxies, gateway), as rf-cpu-node is.
+            {"role": "control-plane", "kubeadmConfigPatches": [cpu_init], "extraMounts": [shared]},
             {
                 "role": "worker",
                 "labels": {GPU_LABEL: "true"},
