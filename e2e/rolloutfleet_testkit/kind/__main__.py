@@ -9,6 +9,7 @@ image  build the node image archive only (no Docker needed) and print its path
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -22,7 +23,10 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     command = args.pop(0) if args else ""
     if command == "up":
-        print(environment_lines(up(args or DEFAULT_IMAGES)), end="")
+        # Progress to stderr (the image builder prints to stdout): stdout is only the environment.
+        with contextlib.redirect_stdout(sys.stderr):
+            env = up(args or DEFAULT_IMAGES)
+        print(environment_lines(env), end="")
     elif command == "down":
         down()
     elif command == "image":
