@@ -21,12 +21,13 @@ from rolloutfleet_testkit.waiting import wait_for
 pytestmark = [pytest.mark.e2e, pytest.mark.kind]
 
 NAMESPACE = "kind-smoke"
+EXTERNAL_NAMESPACE = "kind-smoke-external"
 FLEET = "gpu"
 READY_S = 600  # the engine image (torch) starts slowly on a loaded 2-core machine
 
 
-def status(cluster) -> dict:
-    fleet = json.loads(cluster.kubectl("get", "rf", FLEET, "-n", NAMESPACE, "-o", "json").stdout)
+def status(cluster, name: str = FLEET, namespace: str = NAMESPACE) -> dict:
+    fleet = json.loads(cluster.kubectl("get", "rf", name, "-n", namespace, "-o", "json").stdout)
     return fleet.get("status", {})
 
 
@@ -66,52 +67,97 @@ def test_gpu_sample_fleet_on_kind_restores_a_deleted_proxy(cluster, test_tokeniz
         gpu_nodes = cluster.kubectl("get", "nodes", "-l", "nvidia.com/gpu.present=true", "-o", "name").stdout
         assert engines and all(f"node/{pod['spec']['nodeName']}" in gpu_nodes.split() for pod in engines)
 
-        pods = json.loads(
-            cluster.kubectl(
-                "get",
-                "pods",
-                "-n",
-                NAMESPACE,
-                "-l",
-                fleet_setup.component_selector(FLEET, "proxy"),
-                "-o",
-                "json",
-            ).stdout
-        )
-        name, url = sorted(fleet_setup.pod_urls(pods, fleet_setup.PROXY_PORT).items())[0]
-        secret = json.loads(
-            cluster.kubectl("get", "secret", f"{FLEET}-admin-key", "-n", NAMESPACE, "-o", "json").stdout
-        )
-        key = fleet_setup.admin_key(secret)
-        session_id, _ = fleet_setup.create_session(url, key)
-        fleet_setup.one_turn(url, session_id, key, [{"role": "user", "content": "Hello from kind"}])
-        recorded = fleet_setup.session_tokens(url, session_id, key)
-
-        before = {name: proxy_pods(cluster, NAMESPACE, FLEET)[name]["metadata"]["uid"]}
-        cluster.kubectl("delete", "pod", name, "-n", NAMESPACE)
-        wait_for(
-            lambda: all_replaced_and_available(proxy_pods(cluster, NAMESPACE, FLEET), before),
-            timeout_s=300,
-            what=f"{name} replaced",
-            interval_s=1,
-        )
-        wait_for(
-            lambda: fleet_setup.fleet_ready(status(cluster), replicas), timeout_s=300, what="Ready again"
-        )
-        pods = json.loads(
-            cluster.kubectl(
-                "get",
-                "pods",
-                "-n",
-                NAMESPACE,
-                "-l",
-                fleet_setup.component_selector(FLEET, "proxy"),
-                "-o",
-                "json",
-            ).stdout
-        )
-        restored = fleet_setup.session_tokens(
-            fleet_setup.pod_urls(pods, fleet_setup.PROXY_PORT)[name], session_id, key
-        )
-        assert restored == recorded
+        a_deleted_proxy_comes_back_with_its_session(cluster, NAMESPACE, FLEET, replicas)
         cluster.kubectl("delete", "rf", FLEET, "-n", NAMESPACE)
+
+
+def a_deleted_proxy_comes_back_with_its_session(cluster, namespace: str, fleet: str, replicas: int) -> None:
+    """A session's turn through the fleet's first proxy; that proxy deleted; its replacement (same
+    name) Ready with the fleet, holding the session token for token."""
+    pods = json.loads(
+        cluster.kubectl(
+            "get",
+            "pods",
+            "-n",
+            namespace,
+            "-l",
+            fleet_setup.component_selector(fleet, "proxy"),
+            "-o",
+            "json",
+        ).stdout
+    )
+    name, url = sorted(fleet_setup.pod_urls(pods, fleet_setup.PROXY_PORT).items())[0]
+    secret = json.loads(
+        cluster.kubectl("get", "secret", f"{fleet}-admin-key", "-n", namespace, "-o", "json").stdout
+    )
+    key = fleet_setup.admin_key(secret)
+    session_id, _ = fleet_setup.create_session(url, key)
+    fleet_setup.one_turn(url, session_id, key, [{"role": "user", "content": "Hello from kind"}])
+    recorded = fleet_setup.session_tokens(url, session_id, key)
+
+    before = {name: proxy_pods(cluster, namespace, fleet)[name]["metadata"]["uid"]}
+    cluster.kubectl("delete", "pod", name, "-n", namespace)
+    wait_for(
+        lambda: all_replaced_and_available(proxy_pods(cluster, namespace, fleet), before),
+        timeout_s=300,
+        what=f"{name} replaced",
+        interval_s=1,
+    )
+    wait_for(
+        lambda: fleet_setup.fleet_ready(status(cluster, fleet, namespace), replicas),
+        timeout_s=300,
+        what="Ready again",
+    )
+    pods = json.loads(
+        cluster.kubectl(
+            "get",
+            "pods",
+            "-n",
+            namespace,
+            "-l",
+            fleet_setup.component_selector(fleet, "proxy"),
+            "-o",
+            "json",
+        ).stdout
+    )
+    restored = fleet_setup.session_tokens(
+        fleet_setup.pod_urls(pods, fleet_setup.PROXY_PORT)[name], session_id, key
+    )
+    assert restored == recorded
+
+
+def test_proxies_on_kind_restore_a_deleted_proxy_in_front_of_an_engine_on_this_machine(
+    cluster, test_tokenizer_dir
+):
+    """The same without the SGLang emulator's image (gigabytes of torch, for machines short of disk):
+    proxies and the real router in front of the fixed-latency upstream stand-in on this machine,
+    which the pods reach at the kind network's gateway."""
+    from rolloutfleet_testkit.processes import serve_app
+    from rolloutfleet_testkit.upstream_stub import create_app as create_upstream_stub
+
+    shared = os.environ.get(SHARED_ENV)
+    assert shared and cluster.host_ip, f"runs on the cluster `./dev kind test` makes ({SHARED_ENV})"
+    tokenizer = Path(shared) / "tokenizer"
+    shutil.rmtree(tokenizer, ignore_errors=True)
+    shutil.copytree(test_tokenizer_dir, tokenizer)
+    fleet_setup.pod_readable(tokenizer)
+    dumps = fleet_setup.pod_writable(Path(shared) / "dumps-external")
+    with (
+        installed_operator(cluster, EXTERNAL_NAMESPACE, "smoke"),
+        serve_app(create_upstream_stub(0.05, 8), host=cluster.host_ip) as engine_url,
+    ):
+        fleet = fleet_setup.external_fleet(
+            "ext", EXTERNAL_NAMESPACE, tokenizer, engine_url, 2, dump={"hostPath": {"path": str(dumps)}}
+        )
+        cluster.kubectl("apply", "-f", "-", input=json.dumps(fleet))
+        wait_for(
+            lambda: fleet_setup.fleet_ready(status(cluster, "ext", EXTERNAL_NAMESPACE), 2),
+            timeout_s=300,
+            what="the fleet Ready",
+            interval_s=2,
+            detail=lambda: (
+                cluster.kubectl("get", "pods", "-n", EXTERNAL_NAMESPACE, "-o", "wide", check=False).stdout
+            ),
+        )
+        a_deleted_proxy_comes_back_with_its_session(cluster, EXTERNAL_NAMESPACE, "ext", 2)
+        cluster.kubectl("delete", "rf", "ext", "-n", EXTERNAL_NAMESPACE)

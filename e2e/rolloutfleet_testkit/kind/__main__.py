@@ -3,7 +3,8 @@
 up     Docker (from Debian), kind, the node image, a control-plane node and a GPU-like worker, our
        CNI, the project's images loaded; prints the environment for the e2e suite
 down   the cluster, Docker and its packages gone; every host setting put back and checked
-test   up, pytest ARGS against the cluster (default: the kind smoke), down (also on failure)
+test   up, pytest ARGS against the cluster (default: the kind smoke), down (also on failure);
+       `test --images proxy,operator,... ARGS` loads those images only
 image  build the node image archive only (no Docker needed) and print its path
 """
 
@@ -36,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
     elif command == "test":
         status = 1
         try:
-            env = up((*DEFAULT_IMAGES, "sglang-emulator"))
+            # --images a,b,c: what to load instead (the SGLang emulator's torch layers are gigabytes).
+            images: tuple[str, ...] = (*DEFAULT_IMAGES, "sglang-emulator")
+            if args[:1] == ["--images"]:
+                images, args = tuple(args[1].split(",")), args[2:]
+            env = up(images)
             # kubectl and helm for the suite (it takes them from PATH on a cluster it did not start).
             env["PATH"] = f"{binaries_dir()}{os.pathsep}{os.environ.get('PATH', '')}"
             pytest_args = args or ["e2e/tests/test_kind_smoke.py", "-m", "kind", "-x"]
