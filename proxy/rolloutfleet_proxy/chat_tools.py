@@ -47,6 +47,11 @@ class ToolSpec:
         return self.choice != "none"
 
     @property
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a named function: the reply must be a call (`tool_grammar.py`)."""
+        return self.choice == "required" or isinstance(self.choice, dict)
+
+    @property
     def forced_name(self) -> str | None:
         return self.choice["function"]["name"] if isinstance(self.choice, dict) else None
 

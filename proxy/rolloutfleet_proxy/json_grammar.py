@@ -1,0 +1,183 @@
+"""EBNF for JSON values a JSON schema allows, in the grammar dialect SGLang's default backend (xgrammar)
+compiles: the argument part of a forced tool call (`tool_grammar.py`).
+
+Like SGLang's `EBNFComposer` (python/sglang/srt/function_call/ebnf_composer.py), the JSON is written in
+one fixed layout, the one `json.dumps` writes (`", "` between items, `": "` after keys, no other
+whitespace): a model cannot wander into endless whitespace, and the arguments read back unchanged.
+Object properties come in the schema's order, each required one present, no others.
+
+What a schema says is expressed where it shapes the text: `type` (one or a list), `properties` and
+`required`, `items` with `minItems`/`maxItems`, `minLength`/`maxLength` of strings, `enum`, `const`,
+`anyOf`/`oneOf` (as alternatives). Keywords about values rather than shapes (`minimum`, `pattern`,
+`format`, `multipleOf`, `uniqueItems`, ...) are not enforced, and a subschema the grammar cannot follow
+(`$ref`, `allOf`, `not`, conditionals, an object without `properties`) becomes any JSON value of the
+right type (any value when no type is given).
+
+Pure: a function of the schema; rule names are numbered from a prefix, so two schemas in one grammar
+never collide.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+# Any JSON value, in the fixed layout (the fallback for what a schema does not pin down).
+_ANY_JSON_RULES = r"""json_value ::= json_object | json_array | json_string | json_number | json_literal
+json_literal ::= "true" | "false" | "null"
+json_object ::= "{" ( json_string ": " json_value ( ", " json_string ": " json_value )* )? "}"
+json_array ::= "[" ( json_value ( ", " json_value )* )? "]"
+json_string ::= "\"" json_char* "\""
+json_char ::= [^"\\\x00-\x1f] | "\\" ["\\/bfnrt] | "\\u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F]
+json_integer ::= "-"? ( "0" | [1-9] [0-9]* )
+json_number ::= json_integer ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
+"""
+ANY_JSON = "json_value"
+_TYPE_RULES = {
+    "string": "json_string",
+    "integer": "json_integer",
+    "number": "json_number",
+    "boolean": '"true" | "false"',
+    "null": '"null"',
+    "object": "json_object",
+    "array": "json_array",
+}
+# Keywords this module follows; a schema with any other keyword that changes the shape falls back.
+_UNFOLLOWED = ("$ref", "allOf", "not", "if", "then", "else", "patternProperties", "dependentSchemas")
+
+
+def literal(text: str) -> str:
+    """`text` as an EBNF string literal: quotes, backslashes and control characters escaped."""
+    out = []
+    for char in text:
+        if char in '"\\':
+            out.append("\\" + char)
+        elif char == "\n":
+            out.append("\\n")
+        elif char == "\r":
+            out.append("\\r")
+        elif char == "\t":
+            out.append("\\t")
+        elif ord(char) < 0x20:
+            out.append(f"\\x{ord(char):02x}")
+        else:
+            out.append(char)
+    return '"' + "".join(out) + '"'
+
+
+def json_literal(value: Any) -> str:
+    """A JSON value (enum, const) as the literal text json.dumps writes for it."""
+    return literal(json.dumps(value, ensure_ascii=False))
+
+
+@dataclass
+class JsonGrammar:
+    """Collects the rules of one grammar. `value(schema)` returns an EBNF expression; `rules()` every
+    rule it needed, the shared JSON rules included once."""
+
+    prefix: str
+    _rules: list[str] = field(default_factory=list)
+    _count: int = 0
+
+    def _rule(self, body: str) -> str:
+        self._count += 1
+        name = f"{self.prefix}_{self._count}"
+        self._rules.append(f"{name} ::= {body}")
+        return name
+
+    def rules(self) -> str:
+        return "\n".join(self._rules) + "\n" + _ANY_JSON_RULES
+
+    def value(self, schema: Any) -> str:
+        if schema is True or not isinstance(schema, Mapping) or not schema:
+            return ANY_JSON
+        if "const" in schema:
+            return json_literal(schema["const"])
+        if isinstance(schema.get("enum"), list) and schema["enum"]:
+            return "( " + " | ".join(json_literal(v) for v in schema["enum"]) + " )"
+        for keyword in ("anyOf", "oneOf"):
+            options = schema.get(keyword)
+            if isinstance(options, list) and options:
+                # The branch's own keywords apply with the outer ones (a common "type" beside anyOf).
+                outer = {k: v for k, v in schema.items() if k != keyword}
+                return (
+                    "( "
+                    + " | ".join(self.value({**outer, **o}) for o in options if isinstance(o, Mapping))
+                    + " )"
+                )
+        if any(keyword in schema for keyword in _UNFOLLOWED):
+            return self._any_of_types(schema)
+        types = schema.get("type")
+        if types is None:
+            types = "object" if "properties" in schema else ("array" if "items" in schema else None)
+        if types is None:
+            return ANY_JSON
+        if isinstance(types, list):
+            return "( " + " | ".join(self._typed(t, schema) for t in types) + " )"
+        return self._typed(types, schema)
+
+    def _any_of_types(self, schema: Mapping[str, Any]) -> str:
+        types = schema.get("type")
+        if isinstance(types, str) and types in _TYPE_RULES:
+            return f"( {_TYPE_RULES[types]} )"
+        return ANY_JSON
+
+    def _typed(self, kind: Any, schema: Mapping[str, Any]) -> str:
+        if kind == "object":
+            return self._object(schema)
+        if kind == "array":
+            return self._array(schema)
+        if kind == "string":
+            return self._string(schema)
+        if kind in _TYPE_RULES:
+            return f"( {_TYPE_RULES[kind]} )"
+        return ANY_JSON
+
+    def _string(self, schema: Mapping[str, Any]) -> str:
+        low, high = _bounds(schema, "minLength", "maxLength")
+        if low == 0 and high is None:
+            return "json_string"
+        return f'( "\\"" json_char{{{low},{"" if high is None else high}}} "\\"" )'
+
+    def _array(self, schema: Mapping[str, Any]) -> str:
+        item = self.value(schema.get("items", True))
+        low, high = _bounds(schema, "minItems", "maxItems")
+        if high == 0:
+            return '"[]"'
+        rest_high = "" if high is None else str(high - 1)
+        items = f'{item} ( ", " {item} ){{{max(low - 1, 0)},{rest_high}}}'
+        return self._rule(f'"[" {items} "]"' if low > 0 else f'"[" ( {items} )? "]"')
+
+    def _object(self, schema: Mapping[str, Any]) -> str:
+        properties = schema.get("properties")
+        if not isinstance(properties, Mapping) or not properties:
+            return "json_object"
+        required = set(schema.get("required") or ())
+        members = [
+            (json_literal(name) + ' ": " ' + self.value(sub), name in required)
+            for name, sub in properties.items()
+        ]
+        return self._rule('"{" ' + self._members(members) + ' "}"')
+
+    def _members(self, members: list[tuple[str, bool]]) -> str:
+        """The properties in order, required ones present, ", " between: one rule per position for the
+        case where no property was written yet (the next one then has no comma before it)."""
+        # After a first property, the rest is a plain sequence of (", " member) or (", " member)?.
+        rests = [f'", " {member}' if needed else f'( ", " {member} )?' for member, needed in members]
+        first = '""'
+        for index in range(len(members) - 1, -1, -1):
+            member, needed = members[index]
+            after = " ".join(rests[index + 1 :])
+            starting_here = f"{member} {after}".strip()
+            first = self._rule(starting_here if needed else f"{starting_here} | {first}")
+        return first
+
+
+def _bounds(schema: Mapping[str, Any], low_key: str, high_key: str) -> tuple[int, int | None]:
+    low, high = schema.get(low_key, 0), schema.get(high_key)
+    low = low if isinstance(low, int) and not isinstance(low, bool) and low > 0 else 0
+    if not isinstance(high, int) or isinstance(high, bool) or high < low:
+        high = None
+    return low, high
