@@ -24,13 +24,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# Any JSON value, in the fixed layout (the fallback for what a schema does not pin down).
+# Any JSON value, in the fixed layout (the fallback for what a schema does not pin down). A character
+# class leaves out the surrogates: xgrammar takes their UTF-8 form for a character, no decoder does.
 _ANY_JSON_RULES = r"""json_value ::= json_object | json_array | json_string | json_number | json_literal
 json_literal ::= "true" | "false" | "null"
 json_object ::= "{" ( json_string ": " json_value ( ", " json_string ": " json_value )* )? "}"
 json_array ::= "[" ( json_value ( ", " json_value )* )? "]"
 json_string ::= "\"" json_char* "\""
-json_char ::= [^"\\\x00-\x1f] | "\\" ["\\/bfnrt] | "\\u" [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F] [0-9a-fA-F]
+json_char ::= [^"\\\x00-\x1f\uD800-\uDFFF] | "\\" ["\\/bfnrt] | "\\u" json_hex json_hex json_hex json_hex
+json_hex ::= [0-9a-fA-F]
 json_integer ::= "-"? ( "0" | [1-9] [0-9]* )
 json_number ::= json_integer ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
 """

@@ -10,7 +10,8 @@ sglang-router 0.3.2 passes `ebnf`, `json_schema` and `regex` to the engines but 
 (and a top-level `require_reasoning`), so EBNF is the form that works behind the router too.
 
 The grammar, by `--tool-call-parser` name: a call, and how several are written (one per reply when the
-format or the family's template holds one; a named function allows one call of it):
+format or the family's template holds one, or the request says `parallel_tool_calls: false`; a named
+function allows one call of it):
 - qwen25: `<tool_call>\\n{"name": "NAME", "arguments": ARGS}\\n</tool_call>`, `\\n` between calls.
 - llama3: `{"name": "NAME", "parameters": ARGS}`, one.
 - deepseekv3: `<｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\nARGS\\n```<｜tool▁call▁end｜>`,
@@ -80,7 +81,7 @@ def tool_choice_grammar(
     )
     offered = [Tool(t["function"]["name"], t["function"].get("parameters")) for t in tools.tools]
     tags = (reasoning.start_tag, reasoning.end_tag) if reasoning else None
-    return forced_call_grammar(parser, offered, tools.forced_name, start, tags)
+    return forced_call_grammar(parser, offered, tools.forced_name, start, tags, tools.parallel)
 
 
 @dataclass(frozen=True)
@@ -128,10 +129,10 @@ _HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assi
 # a string value is kept from reading as JSON. It starts with a character no JSON value starts with, or
 # like a number but then holds a character no number has ("17 * 23"). It never holds "<" (its end tag
 # starts with one). The exact words true, false and null still read as JSON (a known limit).
-_GLM_PLAIN_FIRST = r'[^<"\[{0-9\- \t\r\n]'
+_GLM_PLAIN_FIRST = r'[^<"\[{0-9\- \t\r\n\uD800-\uDFFF]'
 _GLM_NUMBER_CHAR = r"[0-9.eE+\-]"
-_GLM_NOT_NUMBER = r"[^<0-9.eE+\-]"
-_GLM_TEXT = "[^<]"
+_GLM_NOT_NUMBER = r"[^<0-9.eE+\-\uD800-\uDFFF]"
+_GLM_TEXT = r"[^<\uD800-\uDFFF]"
 _GLM_VALUE_END = literal("</arg_value>\n")
 _GLM_MAX_COUNTED = 64  # maxLength is followed up to this; a longer bound leaves the length free
 
@@ -142,10 +143,11 @@ def forced_call_grammar(
     forced_name: str | None,
     reasoning: ReasoningStart,
     reasoning_tags: tuple[str, str] | None = None,
+    parallel: bool = True,
 ) -> str:
     """The EBNF (xgrammar's dialect, SGLang's `sampling_params.ebnf`) of a reply that is one or more calls
-    of `tools` (only `forced_name`, once, when given) in the format of `parser`. ValueError for a parser
-    without a format here."""
+    of `tools` (only `forced_name`, once, when given; one call without `parallel`) in the format of
+    `parser`. ValueError for a parser without a format here."""
     form = _FORMATS.get(parser)
     if form is None:
         raise ValueError(f"no tool-call grammar for the parser {parser!r}")
@@ -156,7 +158,7 @@ def forced_call_grammar(
     rules: list[str] = []
     calls = [_call(form, tool, grammar) for tool in chosen]
     rules.append("call ::= " + " | ".join(calls))
-    several = forced_name is None and form.separator is not None
+    several = parallel and forced_name is None and form.separator is not None
     body = f"call ( {literal(form.separator or '')} call )*" if several else "call"
     if form.section is not None:
         body = f"{literal(form.section[0])} {body} {literal(form.section[1])}"

@@ -157,13 +157,16 @@ def _ms(start: float, end: float) -> float:
 
 def call_parameters(request: ChatRequest) -> dict:
     """The parameters that make two requests with the same history the same request."""
-    return {
+    parameters = {
         "sampling": request.sampling_params,
         "n": request.n,
         "tools": request.tools.tools if request.tools else None,
         "tool_choice": request.tools.choice if request.tools else None,
         "template": request.template_kwargs,
     }
+    if request.tools and not request.tools.parallel:  # only then: the digests of other requests stay
+        parameters["parallel_tool_calls"] = False
+    return parameters
 
 
 def idempotency_key_digest(key: str) -> str:

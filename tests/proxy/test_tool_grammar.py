@@ -274,3 +274,28 @@ def test_a_parser_without_a_grammar_is_refused_with_400_when_a_call_is_forced():
 def test_a_constrained_generation_restarts_after_an_abort():
     assert restarts_after_abort({"max_new_tokens": 8, "ebnf": 'root ::= "a"'})
     assert not restarts_after_abort({"max_new_tokens": 8})
+
+
+def test_a_string_holds_no_utf8_encoded_surrogate(test_tokenizer_dir):
+    """xgrammar would take one for a character (a byte-level vocabulary can spell it); no UTF-8 decoder
+    does, so the decoded text would hold three replacement characters instead of one."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(test_tokenizer_dir))
+    info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgrammar.GrammarCompiler(info).compile_grammar(arguments_grammar({"type": "string"}))
+    for raw, valid in ((b'"\xe5\x80\x80"', True), (b'"\xed\xa0\x80"', False)):
+        assert xgrammar.GrammarMatcher(compiled).accept_string(raw) is valid
+
+
+def test_parallel_tool_calls_false_allows_one_call():
+    grammar = forced_call_grammar("qwen25", TOOLS, None, ReasoningStart.NONE, parallel=False)
+    assert not accepts(grammar, FAMILY_REPLIES["qwen25"])
+    assert accepts(grammar, _strip(qwen25_reply(None, "", CALLS[:1]), "<|im_end|>"))
+    spec = parse_tools(
+        {"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": False}
+    )
+    assert spec is not None and not spec.parallel
+    with pytest.raises(ProxyError) as refused:
+        parse_tools({"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": "no"})
+    assert refused.value.code == "invalid_parameter"
