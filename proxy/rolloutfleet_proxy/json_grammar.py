@@ -50,23 +50,20 @@ _TYPE_RULES = {
 _UNFOLLOWED = ("$ref", "allOf", "not", "if", "then", "else", "patternProperties", "dependentSchemas")
 
 
+# What an EBNF string literal escapes: quotes, backslashes and control characters.
+_LITERAL_ESCAPES = {
+    **{code: f"\\x{code:02x}" for code in range(0x20)},
+    ord("\n"): "\\n",
+    ord("\r"): "\\r",
+    ord("\t"): "\\t",
+    ord('"'): '\\"',
+    ord("\\"): "\\\\",
+}
+
+
 def literal(text: str) -> str:
-    """`text` as an EBNF string literal: quotes, backslashes and control characters escaped."""
-    out = []
-    for char in text:
-        if char in '"\\':
-            out.append("\\" + char)
-        elif char == "\n":
-            out.append("\\n")
-        elif char == "\r":
-            out.append("\\r")
-        elif char == "\t":
-            out.append("\\t")
-        elif ord(char) < 0x20:
-            out.append(f"\\x{ord(char):02x}")
-        else:
-            out.append(char)
-    return '"' + "".join(out) + '"'
+    """`text` as an EBNF string literal."""
+    return '"' + text.translate(_LITERAL_ESCAPES) + '"'
 
 
 def json_literal(value: Any) -> str:
@@ -77,20 +74,22 @@ def json_literal(value: Any) -> str:
 @dataclass
 class JsonGrammar:
     """Collects the rules of one grammar. `value(schema)` returns an EBNF expression; `rules()` every
-    rule it needed, the shared JSON rules included once."""
+    rule it needed, the shared JSON rules included once. A rule body written twice (the same schema in
+    two tools) is one rule."""
 
     prefix: str
-    _rules: list[str] = field(default_factory=list)
-    _count: int = 0
+    _rules: dict[str, str] = field(default_factory=dict)  # body -> name
 
-    def _rule(self, body: str) -> str:
-        self._count += 1
-        name = f"{self.prefix}_{self._count}"
-        self._rules.append(f"{name} ::= {body}")
+    def rule(self, body: str) -> str:
+        """The name of a rule with this body, defined once."""
+        name = self._rules.get(body)
+        if name is None:
+            name = f"{self.prefix}_{len(self._rules) + 1}"
+            self._rules[body] = name
         return name
 
     def rules(self) -> str:
-        return "\n".join(self._rules) + "\n" + _ANY_JSON_RULES
+        return "\n".join(f"{name} ::= {body}" for body, name in self._rules.items()) + "\n" + _ANY_JSON_RULES
 
     def value(self, schema: Any) -> str:
         if schema is True or not isinstance(schema, Mapping) or not schema:
@@ -150,7 +149,7 @@ class JsonGrammar:
             return '"[]"'
         rest_high = "" if high is None else str(high - 1)
         items = f'{item} ( ", " {item} ){{{max(low - 1, 0)},{rest_high}}}'
-        return self._rule(f'"[" {items} "]"' if low > 0 else f'"[" ( {items} )? "]"')
+        return self.rule(f'"[" {items} "]"' if low > 0 else f'"[" ( {items} )? "]"')
 
     def _object(self, schema: Mapping[str, Any]) -> str:
         properties = schema.get("properties")
@@ -158,22 +157,21 @@ class JsonGrammar:
             return "json_object"
         required = set(schema.get("required") or ())
         members = [
-            (json_literal(name) + ' ": " ' + self.value(sub), name in required)
+            (self.rule(json_literal(name) + ' ": " ' + self.value(sub)), name in required)
             for name, sub in properties.items()
         ]
-        return self._rule('"{" ' + self._members(members) + ' "}"')
+        return self.rule('"{" ' + self._members(members) + ' "}"')
 
     def _members(self, members: list[tuple[str, bool]]) -> str:
-        """The properties in order, required ones present, ", " between: one rule per position for the
-        case where no property was written yet (the next one then has no comma before it)."""
-        # After a first property, the rest is a plain sequence of (", " member) or (", " member)?.
-        rests = [f'", " {member}' if needed else f'( ", " {member} )?' for member, needed in members]
-        first = '""'
-        for index in range(len(members) - 1, -1, -1):
-            member, needed = members[index]
-            after = " ".join(rests[index + 1 :])
+        """The properties in order, the required ones present, ", " between them. Two rules per position,
+        from the last: what may follow once a property was written (each with its comma), and what may
+        come when none was yet (the first one written has no comma)."""
+        after, first = "", '""'
+        for member, needed in reversed(members):
             starting_here = f"{member} {after}".strip()
-            first = self._rule(starting_here if needed else f"{starting_here} | {first}")
+            first = self.rule(starting_here if needed else f"{starting_here} | {first}")
+            with_comma = f'", " {member}'
+            after = self.rule(f"{with_comma if needed else f'( {with_comma} )?'} {after}".strip())
         return first
 
 

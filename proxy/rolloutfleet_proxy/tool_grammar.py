@@ -36,9 +36,13 @@ from __future__ import annotations
 
 import enum
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from .chat_tools import ToolSpec
 from .json_grammar import JsonGrammar, literal
@@ -70,7 +74,8 @@ def tool_choice_grammar(
     tools: ToolSpec | None, parser: str | None, reasoning: ReasoningParser | None, prompt_tail: str
 ) -> str | None:
     """The EBNF a turn's generation must follow: None unless its tool_choice forces a call. `prompt_tail`
-    is the text the turn's prompt ends with (its new messages and generation prompt)."""
+    is the text the turn's prompt ends with (its new messages and generation prompt). A session sends
+    the same tools every turn: the grammars of recent requests are kept (`_GRAMMARS`)."""
     if tools is None or parser is None or not tools.forces_call:
         return None
     start = reasoning_start(
@@ -79,9 +84,30 @@ def tool_choice_grammar(
         reasoning.forced if reasoning else False,
         prompt_tail,
     )
-    offered = [Tool(t["function"]["name"], t["function"].get("parameters")) for t in tools.tools]
     tags = (reasoning.start_tag, reasoning.end_tag) if reasoning else None
-    return forced_call_grammar(parser, offered, tools.forced_name, start, tags, tools.parallel)
+    # The tools as sent (their properties' order shapes the grammar), with everything else it depends on.
+    key = (orjson.dumps(tools.tools), parser, tools.forced_name, start, tags, tools.parallel)
+    with _GRAMMARS_LOCK:
+        grammar = _GRAMMARS.get(key)
+        if grammar is not None:
+            _GRAMMARS.move_to_end(key)
+            return grammar
+    offered = [Tool(t["function"]["name"], t["function"].get("parameters")) for t in tools.tools]
+    grammar = forced_call_grammar(parser, offered, tools.forced_name, start, tags, tools.parallel)
+    with _GRAMMARS_LOCK:
+        _GRAMMARS[key] = grammar
+        if len(_GRAMMARS) > _GRAMMARS_KEPT:
+            _GRAMMARS.popitem(last=False)
+    return grammar
+
+
+# Building the grammar of many tools takes milliseconds (bench/tool_choice.py); a grammar is ~1 KB a tool.
+# Many tools' grammars are built in a worker thread (turns.py), hence the lock.
+_GRAMMARS: OrderedDict[tuple, str] = OrderedDict()
+_GRAMMARS_KEPT = 64
+_GRAMMARS_LOCK = threading.Lock()
+# From this many tools a grammar not kept yet is built off the event loop (a few milliseconds).
+OFFLOAD_TOOLS = 16
 
 
 @dataclass(frozen=True)
@@ -218,7 +244,7 @@ def _glm_value(schema: Any, grammar: JsonGrammar) -> str:
         and schema.get("type") == "string"
         and not ("enum" in schema or "const" in schema)
     ):
-        return _glm_text(schema.get("minLength", 0), schema.get("maxLength"))
+        return grammar.rule(_glm_text(schema.get("minLength", 0), schema.get("maxLength")))
     if isinstance(schema, Mapping) and isinstance(schema.get("enum") or None, list):
         return "( " + " | ".join(_glm_literal(v) for v in schema["enum"]) + " )"
     if isinstance(schema, Mapping) and "const" in schema:

@@ -10,6 +10,7 @@ under the model version current when it passed the gate.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import random
 import secrets
@@ -71,7 +72,7 @@ from .stats import Counters
 from .storage import Pending, Storage
 from .storage.images import ImageStore
 from .store import SessionStore
-from .tool_grammar import tool_choice_grammar
+from .tool_grammar import OFFLOAD_TOOLS, tool_choice_grammar
 from .upstream import Generation, SGLangClient
 
 
@@ -397,11 +398,10 @@ class TurnService:
         new = planned
         self._check_branch_limit(session, new, request.n)
         prompt = self.engine_prompt(session, new)
+        sampling = await self._sampling(request, new)
         t_up = time.perf_counter()
         timings["tokenize_ms"] = _ms(t_tok, t_up)
-        samples, paused_s = await self._call_upstream(
-            session, prompt, self._sampling(request, new), request.n
-        )
+        samples, paused_s = await self._call_upstream(session, prompt, sampling, request.n)
         t_rec = time.perf_counter()
         if paused_s > 0:
             timings["pause_wait_ms"] = round(paused_s * 1000, 3)
@@ -410,12 +410,19 @@ class TurnService:
         timings["record_ms"] = _ms(t_rec, time.perf_counter())
         return result
 
-    def _sampling(self, request: ChatRequest, new: NewInput) -> dict:
-        """The request's sampling parameters, with the grammar of a forced tool call (tool_grammar.py)."""
+    async def _sampling(self, request: ChatRequest, new: NewInput) -> dict:
+        """The request's sampling parameters, with the grammar of a forced tool call (tool_grammar.py):
+        built in a worker thread for many tools, kept for a session's later turns."""
         parser = self._replies.tool_parser
-        grammar = tool_choice_grammar(
-            request.tools, parser.name if parser else None, self._replies.reasoning_parser, new.text
+        build = functools.partial(
+            tool_choice_grammar,
+            request.tools,
+            parser.name if parser else None,
+            self._replies.reasoning_parser,
+            new.text,
         )
+        many = request.tools is not None and len(request.tools.tools) >= OFFLOAD_TOOLS
+        grammar = await asyncio.to_thread(build) if many else build()
         return request.sampling_params if grammar is None else {**request.sampling_params, "ebnf": grammar}
 
     async def _record(

@@ -289,3 +289,18 @@ def test_the_grammar_reaches_the_engines_through_the_real_router(test_tokenizer_
                     model, info, grammar, ids[:output_start], ids[output_start:end], 1.0
                 )
                 assert ended and trajectory["logprobs"][output_start:end] == pytest.approx(expected, abs=1e-4)
+
+
+def test_many_tools_get_their_grammar_built_off_the_event_loop(engine, test_tokenizer_dir):
+    """From OFFLOAD_TOOLS tools the grammar is built in a worker thread; the call is as valid."""
+    many = [
+        {"type": "function", "function": {"name": f"tool_{i}", "parameters": CALCULATOR}} for i in range(20)
+    ]
+    with running_proxy(engine.url, test_tokenizer_dir, None, tool_call_parser="qwen25") as proxy:
+        client, _, _ = client_for(proxy)
+        reply = client.chat.completions.create(
+            model="m", messages=QUESTION, tools=many, tool_choice="required", max_tokens=200, seed=1
+        )
+        for call in reply.choices[0].message.tool_calls:
+            assert call.function.name.startswith("tool_")
+            jsonschema.validate(json.loads(call.function.arguments), CALCULATOR)

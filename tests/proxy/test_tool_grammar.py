@@ -299,3 +299,12 @@ def test_parallel_tool_calls_false_allows_one_call():
     with pytest.raises(ProxyError) as refused:
         parse_tools({"tools": [{"type": "function", "function": {"name": "f"}}], "parallel_tool_calls": "no"})
     assert refused.value.code == "invalid_parameter"
+
+
+def test_a_requests_grammar_is_kept_for_the_sessions_next_turns():
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": CALC.parameters}}]
+    spec = parse_tools({"tools": tools, "tool_choice": "required"})
+    first = tool_choice_grammar(spec, "qwen25", None, "")
+    assert tool_choice_grammar(spec, "qwen25", None, "") is first  # the same text, not built again
+    other = parse_tools({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
+    assert tool_choice_grammar(other, "qwen25", None, "") != first
