@@ -304,3 +304,54 @@ def test_many_tools_get_their_grammar_built_off_the_event_loop(engine, test_toke
         for call in reply.choices[0].message.tool_calls:
             assert call.function.name.startswith("tool_")
             jsonschema.validate(json.loads(call.function.arguments), CALCULATOR)
+
+
+@pytest.mark.parametrize(
+    ("family_name", "reasoning_parser", "template_kwargs"),
+    [
+        ("llama31", None, {}),
+        # R1's prompt opens the think block; with no reasoning parser the call comes at once.
+        ("deepseek_r1", None, {}),
+        # Thinking off: the prompt holds a closed, empty block, so the call comes first.
+        ("glm45", "glm45", {"enable_thinking": False}),
+    ],
+)
+def test_real_vocabularies_write_the_familys_call(family_name, reasoning_parser, template_kwargs):
+    """The families' tokenizers (real vocabularies: DeepSeek V3's 128k; Qwen's ranks with Llama's and
+    GLM's special tokens) and templates: their call markers are special tokens, which the grammar lets
+    the model write as one token or spelled out."""
+    from rolloutfleet_testkit.model_families import FAMILIES
+
+    family = FAMILIES[family_name]
+    directory = family.build_cached()
+    tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    recording = RecordingEngine(create_app(str(directory), seed=0, deterministic_inference=True))
+    family_model = load_model(len(tokenizer), seed=0, eos_token_id=tokenizer.eos_token_id)
+    family_info = tokenizer_info(tokenizer)
+    with (
+        serve_app(recording) as url,
+        running_proxy(
+            url,
+            directory,
+            None,
+            tool_call_parser=family.tool_call_parser,
+            reasoning_parser=reasoning_parser,
+            chat_template_kwargs=template_kwargs,
+        ) as proxy,
+    ):
+        for seed in range(3):
+            client, sid, key = client_for(proxy)
+            reply = client.chat.completions.create(
+                model="m",
+                messages=QUESTION,
+                tools=TOOLS,
+                tool_choice=NAMED if seed % 2 else "required",
+                parallel_tool_calls=False,
+                max_tokens=300,
+                seed=seed,
+            )
+            allowed = {"calculator"} if seed % 2 else set(SCHEMAS)
+            assert_valid_calls(reply.choices[0].message, allowed, single=True)
+            assert_turn_is_the_constrained_models(
+                proxy, sid, key, recording.bodies[-1], 0, family_model, family_info, 1.0
+            )
