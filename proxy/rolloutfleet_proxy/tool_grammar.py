@@ -119,12 +119,13 @@ class Tool:
 @dataclass(frozen=True)
 class _Format:
     call_begin: str  # before the call's name
-    name_end: str  # between the name and the arguments
+    name_end: str  # between the name and the arguments (an EBNF expression when `name_end_ebnf`)
     call_end: str
     separator: str | None = None  # between calls; None: one call per reply
     section: tuple[str, str] | None = None  # around all the calls
     leading: str | None = None  # may come before the first call
     arguments: str = "json"  # "json": a JSON object; "glm": GLM's key/value pairs
+    name_end_ebnf: bool = False
 
 
 _DS = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
@@ -141,15 +142,15 @@ _FORMATS: dict[str, _Format] = {
     "glm45": _Format("<tool_call>", "\n", "</tool_call>", separator="\n", leading="\n", arguments="glm"),
     "kimi_k2": _Format(
         "<|tool_call_begin|>functions.",
-        ":",  # then the call's counter, then the argument marker (see _call)
+        '":" [0-9]{1,4} "<|tool_call_argument_begin|>"',  # the call's counter in the conversation
         "<|tool_call_end|>",
         separator="",
         section=("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"),
+        name_end_ebnf=True,
     ),
     "gpt-oss": _Format("<|channel|>commentary to=functions.", " <|constrain|>json<|message|>", ""),
 }
 CONSTRAINABLE_PARSERS = frozenset(_FORMATS)
-_KIMI_ARGUMENTS = "<|tool_call_argument_begin|>"
 _HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant")
 # GLM writes a string argument as raw text, and the parser reads a value as JSON when it parses as JSON:
 # a string value is kept from reading as JSON. It starts with a character no JSON value starts with, or
@@ -215,9 +216,10 @@ def _call(form: _Format, tool: Tool, grammar: JsonGrammar) -> str:
         arguments = grammar.value(
             dict(tool.parameters) if tool.parameters is not None else {"type": "object"}
         )
-    head = literal(form.call_begin + tool.name + form.name_end)
-    if form.call_begin.startswith("<|tool_call_begin|>"):  # Kimi's counter of the call in the conversation
-        head += f" [0-9]{{1,4}} {literal(_KIMI_ARGUMENTS)}"
+    if form.name_end_ebnf:
+        head = f"{literal(form.call_begin + tool.name)} {form.name_end}"
+    else:
+        head = literal(form.call_begin + tool.name + form.name_end)
     end = f" {literal(form.call_end)}" if form.call_end else ""
     return f"( {head} {arguments}{end} )"
 
