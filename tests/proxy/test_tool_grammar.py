@@ -308,3 +308,28 @@ def test_a_requests_grammar_is_kept_for_the_sessions_next_turns():
     assert tool_choice_grammar(spec, "qwen25", None, "") is first  # the same text, not built again
     other = parse_tools({"tools": tools, "tool_choice": "required", "parallel_tool_calls": False})
     assert tool_choice_grammar(other, "qwen25", None, "") != first
+
+
+def test_a_turns_grammar_follows_its_reasoning_parser_and_prompt():
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": CALC.parameters}}]
+    spec = parse_tools({"tools": tools, "tool_choice": "required"})
+    call = [("calculator", {"expression": "1 + 1"})]
+    r1 = _strip(deepseek_r1_reply("Add them.", "", call), "<｜end▁of▁sentence｜>")
+    grammar = tool_choice_grammar(
+        spec, "deepseekv3", reasoning_parser("deepseek-r1"), "<｜Assistant｜><think>\n"
+    )
+    assert grammar is not None and accepts(grammar, r1)
+    closed = tool_choice_grammar(
+        spec, "qwen25", reasoning_parser("qwen3"), "assistant\n<think>\n\n</think>\n\n"
+    )
+    assert closed is not None
+    assert accepts(closed, _strip(qwen3_reply(None, "", call), "<|im_end|>"))
+    assert not accepts(closed, _strip(qwen3_reply("Add them.", "", call), "<|im_end|>"))
+
+
+def test_glm_string_length_bounds_count_characters():
+    tool = Tool("note", {"type": "object", "properties": {"text": {"type": "string", "maxLength": 6}}})
+    grammar = forced_call_grammar("glm45", [tool], None, ReasoningStart.NONE)
+    for value, valid in (("abcdef", True), ("abcdefg", False), ("12 ab", True), ("12345", False), ("", True)):
+        text = _strip(glm45_reply(None, "", [("note", {"text": value})]), "<|observation|>")
+        assert accepts(grammar, text) is valid, value
