@@ -24,18 +24,25 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# Any JSON value, in the fixed layout (the fallback for what a schema does not pin down). A character
-# class leaves out the surrogates: xgrammar takes their UTF-8 form for a character, no decoder does.
-_ANY_JSON_RULES = r"""json_value ::= json_object | json_array | json_string | json_number | json_literal
-json_literal ::= "true" | "false" | "null"
-json_object ::= "{" ( json_string ": " json_value ( ", " json_string ": " json_value )* )? "}"
-json_array ::= "[" ( json_value ( ", " json_value )* )? "]"
-json_string ::= "\"" json_char* "\""
-json_char ::= [^"\\\x00-\x1f\uD800-\uDFFF] | "\\" ["\\/bfnrt] | "\\u" json_hex json_hex json_hex json_hex
-json_hex ::= [0-9a-fA-F]
-json_integer ::= "-"? ( "0" | [1-9] [0-9]* )
-json_number ::= json_integer ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?
-"""
+# A character of a JSON string as itself. The class leaves out the surrogates: xgrammar takes their
+# UTF-8 form for a character, no decoder does.
+_PLAIN_CHAR = r'[^"\\\x00-\x1f\uD800-\uDFFF]'
+_HEX = "[0-9a-fA-F]"
+# Any JSON value, in the fixed layout (the fallback for what a schema does not pin down). Character
+# classes stay inline: a rule for the hex digit made xgrammar mask every token of a string against the
+# whole vocabulary (230 ms a token for Qwen's, against 0.01 ms).
+_ANY_JSON_RULES = "\n".join(
+    [
+        'json_value ::= json_object | json_array | json_string | json_number | "true" | "false" | "null"',
+        'json_object ::= "{" ( json_string ": " json_value ( ", " json_string ": " json_value )* )? "}"',
+        'json_array ::= "[" ( json_value ( ", " json_value )* )? "]"',
+        'json_string ::= "\\"" json_char* "\\""',
+        rf'json_char ::= {_PLAIN_CHAR} | "\\" ["\\/bfnrt] | "\\u" {_HEX} {_HEX} {_HEX} {_HEX}',
+        'json_integer ::= "-"? ( "0" | [1-9] [0-9]* )',
+        'json_number ::= json_integer ( "." [0-9]+ )? ( [eE] [-+]? [0-9]+ )?',
+        "",
+    ]
+)
 ANY_JSON = "json_value"
 _TYPE_RULES = {
     "string": "json_string",
@@ -140,7 +147,10 @@ class JsonGrammar:
         low, high = _bounds(schema, "minLength", "maxLength")
         if low == 0 and high is None:
             return "json_string"
-        return f'( "\\"" json_char{{{low},{"" if high is None else high}}} "\\"" )'
+        # Counted characters are plain ones, without escapes: xgrammar masks a bounded repetition of a
+        # rule with alternatives token by token against the whole vocabulary (150 ms a token for Qwen's),
+        # one of a character class from its precomputed cache.
+        return f'( "\\"" {_PLAIN_CHAR}{{{low},{"" if high is None else high}}} "\\"" )'
 
     def _array(self, schema: Mapping[str, Any]) -> str:
         item = self.value(schema.get("items", True))
