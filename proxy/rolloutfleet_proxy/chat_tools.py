@@ -36,6 +36,7 @@ class ToolSpec:
     tools: list[dict[str, Any]]  # [{"type": "function", "function": {name, description?, parameters?}}]
     names: frozenset[str]
     choice: str | dict[str, Any]  # "auto" | "none" | "required" | {"type": "function", "function": {...}}
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false allows one call per reply
 
     @property
     def rendered(self) -> list[dict[str, Any]] | None:
@@ -45,6 +46,11 @@ class ToolSpec:
     @property
     def parse_calls(self) -> bool:
         return self.choice != "none"
+
+    @property
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a named function: the reply must be a call (`tool_grammar.py`)."""
+        return self.choice == "required" or isinstance(self.choice, dict)
 
     @property
     def forced_name(self) -> str | None:
@@ -121,7 +127,10 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSpec | None:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise invalid_tools("tool function names must be unique")
-    return ToolSpec(tools, frozenset(names), _tool_choice(choice, frozenset(names)))
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request(ErrorCode.INVALID_PARAMETER, "parallel_tool_calls must be a boolean")
+    return ToolSpec(tools, frozenset(names), _tool_choice(choice, frozenset(names)), parallel)
 
 
 def _tool_choice(choice: Any, names: frozenset[str]) -> str | dict[str, Any]:

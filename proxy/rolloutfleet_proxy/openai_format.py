@@ -14,6 +14,7 @@ from .chat_tools import ToolSpec, check_tool_results, parse_tools, template_kwar
 from .errors import bad_request, not_a_json_object
 from .history import InvalidMessage, UnsupportedContent, canonical_message
 from .replies import Reply
+from .tool_grammar import CONSTRAINABLE_PARSERS
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,12 @@ def parse_chat_request(
             ErrorCode.UNSUPPORTED_PARAMETER,
             "this proxy has no tool-call parser, so tool calls could not be returned: set "
             "spec.proxy.toolCallParser on the fleet (ROLLOUTFLEET_PROXY_TOOL_CALL_PARSER)",
+        )
+    if tools is not None and tools.forces_call and tool_parser not in CONSTRAINABLE_PARSERS:
+        raise bad_request(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            f"tool_choice {tools.choice!r} cannot be enforced with the tool-call parser {tool_parser!r}: "
+            "the proxy has no grammar for its format",
         )
     n = body.get("n")
     if n is None:

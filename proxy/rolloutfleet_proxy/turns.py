@@ -10,6 +10,7 @@ under the model version current when it passed the gate.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import random
 import secrets
@@ -39,6 +40,7 @@ from .continuation import (
     engine_version,
     logprobs_tempered,
     merge_segments,
+    restarts_after_abort,
 )
 from .failures import (
     ClientGone,
@@ -70,6 +72,7 @@ from .stats import Counters
 from .storage import Pending, Storage
 from .storage.images import ImageStore
 from .store import SessionStore
+from .tool_grammar import OFFLOAD_TOOLS, tool_choice_grammar
 from .upstream import Generation, SGLangClient
 
 
@@ -155,13 +158,16 @@ def _ms(start: float, end: float) -> float:
 
 def call_parameters(request: ChatRequest) -> dict:
     """The parameters that make two requests with the same history the same request."""
-    return {
+    parameters = {
         "sampling": request.sampling_params,
         "n": request.n,
         "tools": request.tools.tools if request.tools else None,
         "tool_choice": request.tools.choice if request.tools else None,
         "template": request.template_kwargs,
     }
+    if request.tools and not request.tools.parallel:  # only then: the digests of other requests stay
+        parameters["parallel_tool_calls"] = False
+    return parameters
 
 
 def idempotency_key_digest(key: str) -> str:
@@ -392,9 +398,10 @@ class TurnService:
         new = planned
         self._check_branch_limit(session, new, request.n)
         prompt = self.engine_prompt(session, new)
+        sampling = await self._sampling(request, new)
         t_up = time.perf_counter()
         timings["tokenize_ms"] = _ms(t_tok, t_up)
-        samples, paused_s = await self._call_upstream(session, prompt, request.sampling_params, request.n)
+        samples, paused_s = await self._call_upstream(session, prompt, sampling, request.n)
         t_rec = time.perf_counter()
         if paused_s > 0:
             timings["pause_wait_ms"] = round(paused_s * 1000, 3)
@@ -402,6 +409,21 @@ class TurnService:
         result = await self._record(session, request, new, samples, len(prompt.expanded), timings)
         timings["record_ms"] = _ms(t_rec, time.perf_counter())
         return result
+
+    async def _sampling(self, request: ChatRequest, new: NewInput) -> dict:
+        """The request's sampling parameters, with the grammar of a forced tool call (tool_grammar.py):
+        built in a worker thread for many tools, kept for a session's later turns."""
+        parser = self._replies.tool_parser
+        build = functools.partial(
+            tool_choice_grammar,
+            request.tools,
+            parser.name if parser else None,
+            self._replies.reasoning_parser,
+            new.text,
+        )
+        many = request.tools is not None and len(request.tools.tools) >= OFFLOAD_TOOLS
+        grammar = await asyncio.to_thread(build) if many else build()
+        return request.sampling_params if grammar is None else {**request.sampling_params, "ebnf": grammar}
 
     async def _record(
         self,
@@ -545,29 +567,40 @@ class TurnService:
         no token (the engine is still updating or paused) the resubmissions back off
         (`abort_backoff_s`), and the turn fails only when the engine has not finished it within
         `abort_ride_through_s` of the first abort. Returns the seconds held at the proxy's own gate."""
-        aborted = segments[-1].generation.aborted
-        request = continuation_request(prompt.ids, sampling, segments) if aborted else None
+        last = segments[-1].generation
+        request = self._continuation(prompt, sampling, segments) if last.aborted else None
         started = time.monotonic()
         idle_aborts = 0
         paused_s = 0.0
+        attempt = 0
         while request is not None:
-            last = segments[-1].generation
+            attempt += 1
             idle_aborts = idle_aborts + 1 if not last.output_ids else 0
             if time.monotonic() - started > self._limits.abort_ride_through_s:
-                raise UpstreamAborted(len(segments), last.abort_message, time.monotonic() - started)
+                raise UpstreamAborted(attempt, last.abort_message, time.monotonic() - started)
             await asyncio.sleep(abort_backoff_s(idle_aborts, random.random()))
             self._counters.turns_continued += 1
             proxy_version, waited = await self._generation.enter()
             paused_s += waited
             try:
-                generation = await self._upstream.generate(
-                    request[0], request[1], session.session_id, f"{rid}-{len(segments)}", prompt.digests
+                last = await self._upstream.generate(
+                    request[0], request[1], session.session_id, f"{rid}-{attempt}", prompt.digests
                 )
             finally:
                 self._generation.leave()
-            segments.append(Segment(generation, engine_version(generation.weight_version, proxy_version)))
-            request = continuation_request(prompt.ids, sampling, segments) if generation.aborted else None
+            segments.append(Segment(last, engine_version(last.weight_version, proxy_version)))
+            request = self._continuation(prompt, sampling, segments) if last.aborted else None
         return paused_s
+
+    def _continuation(
+        self, prompt: EnginePrompt, sampling: dict, segments: list[Segment]
+    ) -> tuple[array, dict] | None:
+        """What continues an aborted sample; a constrained one starts over from its prompt, its tokens
+        counted as discarded (`restarts_after_abort`)."""
+        if restarts_after_abort(sampling):
+            self._counters.generated_tokens_discarded += sum(len(s.generation.output_ids) for s in segments)
+            segments.clear()
+        return continuation_request(prompt.ids, sampling, segments)
 
     async def _call_upstream(
         self, session: Session, prompt: EnginePrompt, sampling: dict, n: int

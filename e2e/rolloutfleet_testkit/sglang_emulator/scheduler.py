@@ -18,6 +18,9 @@ Behaviours and where SGLang has them:
   cached prefix of its input as `cached_tokens` (`radix_cache.py`). A request with max_new_tokens 0
   is prefill-only (`Req.is_prefill_only`): it ends at once with finish length 0, its whole input
   cached (the prefill's one sampled token has no KV).
+- Constrained decoding (`grammar.py`, xgrammar as SGLang's default backend): a request with a grammar
+  has its next token's logits masked to what the grammar allows, before sampling and for its logprob,
+  and ends when the grammar has terminated (`Req.check_finished`).
 - Parallel sampling (`submit_group`, `TokenizerManager._handle_batch_request` with n > 1): the group
   passes the pause gate once; a prefill-only request puts the prompt in the cache ("Cache the common
   prefix for parallel sampling"), then the n samples run as n independent requests, each with its own
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import TokenMask
 from .model import DEFAULT_SAMPLING_SEED, TinyCausalLM, nucleus_sample, token_logprob
 from .protocol import Sampling, finish_reason
 from .radix_cache import RadixCache
@@ -62,6 +66,8 @@ class Request:
     steps: asyncio.Queue = field(default_factory=asyncio.Queue)
     # What the model embeds at the prompt's positions when that differs from input_ids (images).
     embed_ids: list[int] | None = None
+    # The request's grammar state (grammar.py), when its sampling parameters constrain it.
+    grammar: TokenMask | None = None
 
 
 class Scheduler:
@@ -282,7 +288,8 @@ class Scheduler:
                 self.stats["generated_tokens"] += 1
                 if request.sampling.stop_strings:
                     request.text = self._decode(request.output_ids)
-                finish = finish_reason(request.output_ids, request.text, request.sampling)
+                terminated = request.grammar is not None and request.grammar.terminated
+                finish = finish_reason(request.output_ids, request.text, request.sampling, terminated)
                 if finish is None:
                     logits, request.hidden = model(torch.tensor([token], dtype=torch.long), request.hidden)
                     request.next_logits = logits[-1]
@@ -296,6 +303,8 @@ class Scheduler:
         if len(request.output_ids) < sampling.min_new_tokens and sampling.stop_token_ids:
             logits = logits.clone()
             logits[list(sampling.stop_token_ids)] = float("-inf")  # min_new_tokens' logit penalty
+        if request.grammar is not None:  # apply_logits_bias: the vocab mask before sampling
+            logits = request.grammar.masked(logits)
         if sampling.temperature == 0:
             token = int(torch.argmax(logits))
         else:
@@ -304,4 +313,6 @@ class Scheduler:
                 kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
                 filtered = logits.masked_fill(logits < kth, float("-inf"))
             token = nucleus_sample(filtered, sampling.temperature, sampling.top_p, request.generator)
+        if request.grammar is not None:
+            request.grammar.accept(token)
         return token, token_logprob(logits, token, sampling.temperature, self.original_logprobs)

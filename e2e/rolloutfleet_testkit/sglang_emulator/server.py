@@ -17,6 +17,8 @@ meet (`protocol.py`, `scheduler.py`, `radix_cache.py` name the SGLang functions 
   the expanded prompt, `meta_info.image_tokens` the image tokens, and `return_prompt_token_ids`
   answers the expanded ids as `prompt_token_ids` at the top level (for text prompts too).
   `sampling_seed` counts only with `--enable-deterministic-inference`, as in SGLang.
+  `sampling_params.json_schema`, `regex`, `ebnf` or `structural_tag` constrain the output with xgrammar,
+  SGLang's default grammar backend (grammar.py); two of the first three are a 400, as an invalid grammar.
 - `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`,
   `POST /update_weights_from_disk {"model_path", "weight_version", "abort_all_requests",
   "flush_cache", "load_format"}` -> `{"success", "message", "num_paused_requests"}`,
@@ -50,11 +52,13 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
+from .grammar import GrammarBackend
 from .model import load_model
 from .multimodal import AVOID_RETOKENIZE_ENV, ImageReader, build_prompt, decode_image_data, image_data_list
 from .protocol import (
@@ -117,6 +121,7 @@ class GenerateParams:
     image_tokens: int = 0
     # The radix cache's keys for the prompt when it differs from input_ids (images: their pad values).
     cache_ids: list[int] | None = None
+    grammar: Any = None  # the compiled grammar of sampling.constraint (grammar.py)
 
     @property
     def parallel(self) -> bool:
@@ -387,6 +392,8 @@ def create_app(
     images = ImageReader(tokenizer_path) if ImageReader.serves(tokenizer_path) else None
     avoid_retokenize = _env_flag(AVOID_RETOKENIZE_ENV, True)
 
+    grammars = GrammarBackend(tokenizer, len(tokenizer), [] if eos_token_id is None else [eos_token_id])
+
     def model_for(weights_seed: int):
         return load_model(len(tokenizer), seed=weights_seed, eos_token_id=eos_token_id)
 
@@ -429,14 +436,18 @@ def create_app(
         task that schedules them. A group's prefill-only request and each sample get rids of their own
         (`tmp_obj.regenerate_rid()`, a uuid4 hex), never the request's `rid`."""
         keys, embed = params.engine_ids(len(tokenizer))
+
+        def grammar():  # each request follows the grammar on its own
+            return None if params.grammar is None else grammars.matcher(params.grammar)
+
         if not params.parallel:
-            single = EngineRequest(params.rid, keys, params.sampling, embed_ids=embed)
+            single = EngineRequest(params.rid, keys, params.sampling, embed_ids=embed, grammar=grammar())
             return [single], asyncio.create_task(scheduler.submit(single))
         prefill = EngineRequest(
             uuid.uuid4().hex, list(keys), replace(params.sampling, max_new_tokens=0), embed_ids=embed
         )
         samples = [
-            EngineRequest(uuid.uuid4().hex, list(keys), params.sampling, embed_ids=embed)
+            EngineRequest(uuid.uuid4().hex, list(keys), params.sampling, embed_ids=embed, grammar=grammar())
             for _ in range(params.n)
         ]
         return samples, asyncio.create_task(scheduler.submit_group(prefill, samples))
@@ -478,8 +489,14 @@ def create_app(
     async def parse_generate(body: object) -> GenerateParams:
         parse = (body, tokenizer, eos_token_id, context_length, images, avoid_retokenize)
         if images is not None and isinstance(body, dict) and body.get("image_data") is not None:
-            return await asyncio.to_thread(parse_generate_request, *parse)  # decoding images: off the loop
-        return parse_generate_request(*parse)
+            params = await asyncio.to_thread(parse_generate_request, *parse)  # decoding images: off the loop
+        else:
+            params = parse_generate_request(*parse)
+        if params.sampling.constraint is not None:  # compiling is CPU work: off the loop
+            params = replace(
+                params, grammar=await asyncio.to_thread(grammars.compile, *params.sampling.constraint)
+            )
+        return params
 
     @app.post("/generate")
     async def generate_endpoint(request: Request) -> Response:
