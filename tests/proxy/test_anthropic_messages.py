@@ -8,7 +8,8 @@ import anthropic
 import httpx
 import pytest
 from proxy_harness import bearer, running_proxy
-from rolloutfleet_proxy.anthropic_messages import chat_messages, message_events, stop_reason
+from rolloutfleet_proxy.anthropic_messages import MessagesDialect, chat_messages, message_events, stop_reason
+from rolloutfleet_proxy.dialects import RequestContext
 from rolloutfleet_proxy.replies import Reply
 
 WEATHER = {
@@ -83,6 +84,51 @@ def test_a_messages_conversation_is_its_chat_equivalent():
         {"role": "tool", "tool_call_id": "t1", "content": "21 C"},
         {"role": "tool", "tool_call_id": "t2", "content": "down"},
         {"role": "user", "content": "And now?"},
+    ]
+
+
+def parsed(body: dict):
+    context = RequestContext("s" * 8, 64, {"enable_thinking": True}, "qwen25", 16, None)
+    return MessagesDialect().parse({"model": "m", "max_tokens": 32, **body}, context).request
+
+
+def test_sampling_tool_choice_and_thinking_map_to_the_chat_meanings():
+    history = [{"role": "user", "content": "hi"}]
+    request = parsed(
+        {"messages": history, "temperature": 0.5, "top_p": 0.9, "top_k": 20, "stop_sequences": ["END"]}
+    )
+    assert request.sampling_params == {
+        "max_new_tokens": 32,
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 20,
+        "stop": ["END"],
+    }
+    assert request.template_kwargs == {"enable_thinking": True}  # the proxy's default
+    assert parsed({"messages": history, "thinking": {"type": "disabled"}}).template_kwargs == {
+        "enable_thinking": False
+    }
+    choices = {
+        "auto": "auto",
+        "any": "required",
+        "none": "none",
+    }
+    for kind, chat in choices.items():
+        request = parsed({"messages": history, "tools": [WEATHER], "tool_choice": {"type": kind}})
+        assert request.tools is not None and request.tools.choice == chat
+    named = parsed(
+        {"messages": history, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}}
+    )
+    assert named.tools is not None and named.tools.forced_name == "get_weather"
+    assert named.tools.tools == [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": WEATHER["description"],
+                "parameters": WEATHER["input_schema"],
+            },
+        }
     ]
 
 
@@ -242,3 +288,13 @@ def test_the_anthropic_client_streams_from_the_capability_url_alone(proxy):
     assert "".join(b.text for b in again.content if b.type == "text") == text
     summary = proxy.get(created["session_id"], created["session_key"]).json()
     assert summary["num_turns"] == 1
+
+
+def test_a_body_over_the_limit_is_refused_in_anthropics_shape(sglang_emulator_url, test_tokenizer_dir):
+    with running_proxy(sglang_emulator_url, test_tokenizer_dir, None, max_body_bytes=2048) as small:
+        sid, key = small.create_session()
+        body = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 4096}]}
+        answer = httpx.post(f"{small.url}/v1/sessions/{sid}/v1/messages", headers=bearer(key), json=body)
+        assert answer.status_code == 413
+        assert answer.json()["error"]["type"] == "request_too_large"
+        assert answer.json()["error"]["code"] == "body_too_large"
