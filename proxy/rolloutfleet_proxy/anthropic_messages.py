@@ -241,7 +241,7 @@ def _tool_choice(choice: Any) -> str | dict[str, Any] | None:
     if choice is None:
         return None
     kind = choice.get("type") if isinstance(choice, Mapping) else None
-    if kind in TOOL_CHOICES:
+    if isinstance(kind, str) and kind in TOOL_CHOICES:
         return TOOL_CHOICES[kind]
     if kind == "tool" and isinstance(choice.get("name"), str):  # type: ignore[union-attr]
         return {"type": "function", "function": {"name": choice["name"]}}  # type: ignore[index]

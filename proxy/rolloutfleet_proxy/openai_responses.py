@@ -143,7 +143,7 @@ class _Assembler:
             self.leading = False
         if kind == "message":
             role = item.get("role")
-            if role not in MESSAGE_ROLES:
+            if not isinstance(role, str) or role not in MESSAGE_ROLES:
                 raise _invalid(f"{where}.role must be one of {sorted(MESSAGE_ROLES)}")
             content = _parts(item.get("content"), where)
             if role == "assistant":
@@ -224,8 +224,8 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
 
 
 def _tool_choice(choice: Any) -> str | dict[str, Any] | None:
-    if choice is None or choice in TOOL_CHOICE_MODES:
-        return choice  # type: ignore[no-any-return]
+    if choice is None or (isinstance(choice, str) and choice in TOOL_CHOICE_MODES):
+        return choice
     if (
         isinstance(choice, Mapping)
         and choice.get("type") == "function"
@@ -238,10 +238,11 @@ def _tool_choice(choice: Any) -> str | dict[str, Any] | None:
     )
 
 
-def _refuse_unsupported(body: Mapping[str, Any]) -> None:
+def _check_options(body: Mapping[str, Any]) -> None:
+    """The options that change nothing here are checked (they are echoed); those that would are refused."""
     text = body.get("text")
-    kind = text.get("format", {}).get("type", "text") if isinstance(text, Mapping) else "text"
-    if kind != "text":
+    form = text.get("format") if isinstance(text, Mapping) else None
+    if isinstance(form, Mapping) and form.get("type", "text") != "text":
         raise bad_request(ErrorCode.UNSUPPORTED_PARAMETER, "text.format: only plain text output is supported")
     if body.get("background"):
         raise bad_request(ErrorCode.UNSUPPORTED_PARAMETER, "background responses are not supported")
@@ -250,9 +251,14 @@ def _refuse_unsupported(body: Mapping[str, Any]) -> None:
             ErrorCode.UNSUPPORTED_PARAMETER,
             "conversation is not supported: a session is the conversation (or use previous_response_id)",
         )
-    store = body.get("store")
-    if store is not None and not isinstance(store, bool):
-        raise bad_request(ErrorCode.INVALID_PARAMETER, "store must be a boolean")
+    for name in ("store", "parallel_tool_calls"):
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise bad_request(ErrorCode.INVALID_PARAMETER, f"{name} must be a boolean")
+    metadata = body.get("metadata")
+    if metadata is not None and not (
+        isinstance(metadata, Mapping) and all(isinstance(v, str) for v in metadata.values())
+    ):
+        raise bad_request(ErrorCode.INVALID_PARAMETER, "metadata must be an object of strings")
 
 
 class ResponsesDialect:
@@ -261,7 +267,7 @@ class ResponsesDialect:
     def parse(self, body: Any, context: RequestContext) -> ParsedTurn:
         if not isinstance(body, dict):
             raise not_a_json_object()
-        _refuse_unsupported(body)
+        _check_options(body)
         previous = previous_turn(body.get("previous_response_id"), context.session_id)
         chat: dict[str, Any] = {"messages": chat_messages(body, previous is not None)}
         if body.get("max_output_tokens") is not None:
