@@ -1,7 +1,8 @@
 """One session spoken in three dialects at once, with the official clients, through the real
 sglang-router: Anthropic's `messages` (streaming and not), openai's `responses` (streaming and not,
 with and without `previous_response_id`) and chat completions, in the six-turn tool conversation of
-`test_family_turns.py` with thinking, for model families with real vocabularies.
+`test_family_turns.py` (thinking where the family has it), for its five model families (real
+vocabularies and templates: Qwen3, Qwen2.5, Llama 3.1, DeepSeek-R1, GLM-4.5).
 
 Every turn lands in the same session tree, token-exact: the prompt sent upstream is checked against a
 reference computed independently of the proxy (the family's template applied by transformers to the
@@ -222,7 +223,7 @@ class Clients:
         return message.model_extra.get("reasoning_content"), message.content or "", calls
 
 
-@pytest.fixture(scope="module", params=["qwen3", "deepseek_r1"])
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request):
     family = FAMILIES[request.param]
     directory = family.build_cached()
