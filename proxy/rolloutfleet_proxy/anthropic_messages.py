@@ -25,7 +25,6 @@ the event stream Anthropic's SDK reads (`message_start`, per block `content_bloc
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -285,9 +284,12 @@ class MessagesDialect:
         if not isinstance(body, dict):
             raise not_a_json_object()
         chat: dict[str, Any] = {"messages": chat_messages(body), "max_tokens": _max_tokens(body)}
-        temperature = body.get("temperature")
-        number = isinstance(temperature, int | float) and not isinstance(temperature, bool)
-        if number and not (math.isfinite(temperature) and 0 <= temperature <= 1):
+        temperature = body.get("temperature")  # Anthropic's range; its type is checked with chat's
+        if (
+            isinstance(temperature, int | float)
+            and not isinstance(temperature, bool)
+            and not 0 <= temperature <= 1  # NaN too
+        ):
             raise bad_request(ErrorCode.INVALID_PARAMETER, "temperature must be between 0 and 1")
         for name in ("temperature", "top_p", "top_k"):
             if body.get(name) is not None:
@@ -385,6 +387,7 @@ def message_events(message: dict[str, Any]) -> Iterator[bytes]:
     yield sse_event("message_start", {"type": "message_start", "message": start})
     for index, block in enumerate(message["content"]):
         kind = block["type"]
+        opened: dict[str, Any]
         if kind == "thinking":
             opened = {"type": "thinking", "thinking": "", "signature": ""}
             deltas = [
