@@ -37,8 +37,6 @@ from .openai_format import parse_chat_request
 from .replies import Reply
 
 ROLES = ("user", "assistant")
-USER_BLOCKS = frozenset({"text", "image", "tool_result"})
-ASSISTANT_BLOCKS = frozenset({"text", "thinking", "tool_use"})
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 
 
@@ -64,14 +62,16 @@ def _text(block: Mapping[str, Any], where: str) -> str:
 def _image(block: Mapping[str, Any], where: str) -> dict[str, Any]:
     """An image block as a chat `image_url` part (a data URI, or the URL of a `url` source)."""
     source = block.get("source")
-    kind = source.get("type") if isinstance(source, Mapping) else None
+    if not isinstance(source, Mapping):
+        raise _invalid(f"{where}.source must be an image source object")
+    kind, url = source.get("type"), source.get("url")
     if kind == "base64":
-        media, data = source.get("media_type"), source.get("data")  # type: ignore[union-attr]
+        media, data = source.get("media_type"), source.get("data")
         if not isinstance(media, str) or not isinstance(data, str):
             raise _invalid(f"{where}.source needs a media_type and base64 data")
         return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
-    if kind == "url" and isinstance(source.get("url"), str):  # type: ignore[union-attr]
-        return {"type": "image_url", "image_url": {"url": source["url"]}}  # type: ignore[index]
+    if kind == "url" and isinstance(url, str):
+        return {"type": "image_url", "image_url": {"url": url}}
     raise _invalid(f"{where}.source must be a base64 or url image source")
 
 
@@ -86,10 +86,11 @@ def _blocks(content: Any, where: str) -> list[Mapping[str, Any]]:
     return content
 
 
-def _tool_result_content(block: Mapping[str, Any], where: str) -> str | list[dict[str, Any]]:
+def _tool_result_content(block: Mapping[str, Any], where: str) -> list[dict[str, Any]]:
+    """Chat content parts (the chat request joins adjacent text parts)."""
     content = block.get("content")
     if content is None:
-        return ""
+        return []
     parts: list[dict[str, Any]] = []
     for index, inner in enumerate(_blocks(content, f"{where}.content")):
         if inner["type"] == "text":
@@ -98,8 +99,6 @@ def _tool_result_content(block: Mapping[str, Any], where: str) -> str | list[dic
             parts.append(_image(inner, f"{where}.content[{index}]"))
         else:
             raise _unsupported(f"{where}.content[{index}]", inner["type"])
-    if all(part["type"] == "text" for part in parts):
-        return "".join(part["text"] for part in parts)
     return parts
 
 
@@ -132,12 +131,9 @@ def _user_messages(content: Any, where: str, open_calls: set[str]) -> list[dict[
             )
         else:
             raise _unsupported(at, kind)
-    messages = tools
     if parts or not tools:
-        text_only = all(part["type"] == "text" for part in parts)
-        user_content = "".join(p["text"] for p in parts) if text_only else parts
-        messages.append({"role": "user", "content": user_content})
-    return messages
+        tools.append({"role": "user", "content": parts})
+    return tools
 
 
 def _assistant_message(content: Any, where: str) -> dict[str, Any]:

@@ -76,7 +76,8 @@ def _unsupported(where: str, kind: Any) -> ProxyError:
 
 
 def _parts(content: Any, where: str) -> str | list[dict[str, Any]]:
-    """A message item's content as chat content: its text, or text and image parts in order."""
+    """A message item's content as chat content: its text, or its text and image parts in order (the
+    chat request joins adjacent text parts)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -97,8 +98,6 @@ def _parts(content: Any, where: str) -> str | list[dict[str, Any]]:
             parts.append({"type": "image_url", "image_url": {"url": url}})
         else:
             raise _unsupported(at, kind)
-    if all(part["type"] == "text" for part in parts):
-        return "".join(part["text"] for part in parts)
     return parts
 
 

@@ -81,9 +81,9 @@ def test_a_messages_conversation_is_its_chat_equivalent():
                 },
             ],
         },
-        {"role": "tool", "tool_call_id": "t1", "content": "21 C"},
-        {"role": "tool", "tool_call_id": "t2", "content": "down"},
-        {"role": "user", "content": "And now?"},
+        {"role": "tool", "tool_call_id": "t1", "content": [{"type": "text", "text": "21 C"}]},
+        {"role": "tool", "tool_call_id": "t2", "content": [{"type": "text", "text": "down"}]},
+        {"role": "user", "content": [{"type": "text", "text": "And now?"}]},
     ]
 
 

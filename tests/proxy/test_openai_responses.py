@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from proxy_harness import ADMIN, bearer, running_proxy
+from rolloutfleet_proxy.history import canonical_message
 from rolloutfleet_proxy.openai_responses import chat_messages
 
 WEATHER = {
@@ -19,6 +20,11 @@ WEATHER = {
     "description": "Current weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
+
+
+def canonical(messages: list[dict]) -> list[dict]:
+    """Messages as the chat request holds them (text parts joined, arguments as objects)."""
+    return [canonical_message(m) for m in messages]
 
 
 def test_input_items_are_their_chat_equivalent():
@@ -79,30 +85,37 @@ def test_input_items_are_their_chat_equivalent():
             "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
         },
     ]
-    assert chat_messages(body, after_previous=False) == [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": "Checking.", "reasoning_content": "Two calls.", "tool_calls": calls},
-        {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
-        {"role": "tool", "tool_call_id": "c2", "content": "down"},
-        {
-            "role": "assistant",
-            "content": "",
-            "reasoning_content": "Summed up.",
-            "tool_calls": [
-                {"id": "c3", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
-            ],
-        },
-        {"role": "tool", "tool_call_id": "c3", "content": "?"},
-        {"role": "user", "content": "Thanks"},
-    ]
+    assert canonical(chat_messages(body, after_previous=False)) == canonical(
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Weather in Paris and Rome?"},
+            {
+                "role": "assistant",
+                "content": "Checking.",
+                "reasoning_content": "Two calls.",
+                "tool_calls": calls,
+            },
+            {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
+            {"role": "tool", "tool_call_id": "c2", "content": "down"},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": "Summed up.",
+                "tool_calls": [
+                    {"id": "c3", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "c3", "content": "?"},
+            {"role": "user", "content": "Thanks"},
+        ]
+    )
     # After a previous response: no instructions (its turn holds them), and outputs that open the input
     # answer its calls (checked by the turn, against its recorded reply).
     follow_up = {
         "instructions": "Be brief.",
         "input": [{"type": "function_call_output", "call_id": "cX", "output": "1"}],
     }
-    assert chat_messages(follow_up, after_previous=True) == [
+    assert canonical(chat_messages(follow_up, after_previous=True)) == [
         {"role": "tool", "tool_call_id": "cX", "content": "1"}
     ]
 
