@@ -102,15 +102,19 @@ def _parts(content: Any, where: str) -> str | list[dict[str, Any]]:
 
 
 def _reasoning_text(item: Mapping[str, Any], where: str) -> str:
+    """The reasoning's own text if the item has it, else its summary (empty when encrypted only)."""
     for field, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
         pieces = item.get(field) or []
         if not isinstance(pieces, list):
             raise _invalid(f"{where}.{field} must be a list")
-        texts = [p.get("text") for p in pieces if isinstance(p, Mapping) and p.get("type") == kind]
-        if not all(isinstance(text, str) for text in texts):
-            raise _invalid(f"{where}.{field} texts must be strings")
+        texts: list[str] = []
+        for piece in pieces:
+            if isinstance(piece, Mapping) and piece.get("type") == kind:
+                if not isinstance(piece.get("text"), str):
+                    raise _invalid(f"{where}.{field} texts must be strings")
+                texts.append(piece["text"])
         if texts:
-            return "".join(texts)  # type: ignore[arg-type]
+            return "".join(texts)
     return ""
 
 
@@ -155,12 +159,13 @@ class _Assembler:
             self.close()
             self.open_calls = set()
             self.messages.append({"role": role, "content": content})
-        elif kind == "reasoning":
-            if self.assistant is not None:
+        elif kind == "reasoning":  # opens the next assistant message (consecutive ones join)
+            if self.assistant is not None and (self.assistant["content"] or "tool_calls" in self.assistant):
                 self.close()
             text = _reasoning_text(item, where)
             if text:  # an empty one (encrypted, or without a summary) adds nothing
-                self._current()["reasoning_content"] = text
+                current = self._current()
+                current["reasoning_content"] = current.get("reasoning_content", "") + text
         elif kind == "function_call":
             call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments", "{}")
             if not isinstance(call_id, str) or not call_id or not isinstance(name, str) or not name:
