@@ -15,7 +15,7 @@ message each, before the user message of the other blocks |
 | `tools` (`name`, `description`, `input_schema`) | function tools |
 | `tool_choice` `auto` / `any` / `tool` / `none` | `auto` / `required` / the named function / `none` |
 | `max_tokens` (required), `stop_sequences`, `temperature` (0-1), `top_p`, `top_k` | the same sampling |
-| `thinking` `enabled` / `disabled` | template keyword `enable_thinking` true / false |
+| `thinking` `enabled` (`adaptive`, `between_tools`) / `disabled` | template keyword `enable_thinking` |
 
 The answer is a `message` with `thinking`, `text` and `tool_use` blocks and `stop_reason`
 (`tool_use`, `max_tokens`, `stop_sequence` with the matched `stop_sequence`, else `end_turn`), or
@@ -38,6 +38,7 @@ from .replies import Reply
 
 ROLES = ("user", "assistant")
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
+THINKING_TYPES = ("enabled", "adaptive", "between_tools", "disabled")  # Anthropic's; all but the last think
 
 
 def _invalid(message: str) -> ProxyError:
@@ -255,11 +256,11 @@ def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
     if thinking is None:
         return given
     kind = thinking.get("type") if isinstance(thinking, Mapping) else None
-    if kind not in ("enabled", "disabled"):
-        raise bad_request(ErrorCode.INVALID_PARAMETER, 'thinking.type must be "enabled" or "disabled"')
+    if kind not in THINKING_TYPES:
+        raise bad_request(ErrorCode.INVALID_PARAMETER, f"thinking.type must be one of {list(THINKING_TYPES)}")
     if given is not None and not isinstance(given, Mapping):
         return given  # refused by the chat request's own check
-    return {"enable_thinking": kind == "enabled", **(given or {})}
+    return {"enable_thinking": kind != "disabled", **(given or {})}
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int:
