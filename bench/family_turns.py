@@ -18,7 +18,9 @@ checked against the script (its tool calls), so a wrong turn would count as an e
 `--dialects` runs the same conversation in other dialects too (`messages`: Anthropic Messages;
 `responses`: OpenAI Responses with the whole input each turn; `responses_previous`: with
 `previous_response_id` and only the new items), each its own run, saved apart
-(`family_turns_dialects`): per-turn proxy CPU of each dialect against chat's.
+(`family_turns_dialects`): per-turn proxy CPU of each dialect against chat's. Beside them, in this
+process, the dialect's own work on the conversation's last turn (parsing the request into the chat
+turn, rendering the answer and its stream), timed without HTTP or the turn itself.
 
 With request logging on (the proxy's default), the proxy's own per-request timings split the turn:
 `tokenize_ms` (history check, template rendering and encoding of the new messages) and `record_ms`
@@ -35,7 +37,9 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+import timeit
+from array import array
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
@@ -49,6 +53,12 @@ from common import (
     save_result,
     tokenizer_dir,
 )
+from rolloutfleet_proxy.anthropic_messages import MessagesDialect
+from rolloutfleet_proxy.chat_dialect import ChatDialect
+from rolloutfleet_proxy.dialects import Answered, RequestContext
+from rolloutfleet_proxy.openai_responses import ResponsesDialect
+from rolloutfleet_proxy.replies import Reply
+from rolloutfleet_proxy.turns import Choice, TurnResult
 from rolloutfleet_testkit.model_families import FAMILIES, ModelFamily
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import RuledReplies, UpstreamStub
@@ -135,6 +145,50 @@ class TurnReplies:
 
 class Errors(Exception):
     pass
+
+
+def dialect_work_us(dialect: str, family: ModelFamily | None, tokenizer) -> dict:
+    """Microseconds the dialect's own code takes on the conversation's last turn (its whole history):
+    parse the body into the chat turn; render the answer, and its stream (best of 5 x 200)."""
+    dialects = {"chat": ChatDialect, "messages": MessagesDialect, "responses": ResponsesDialect}
+    implementation = dialects[dialect.removesuffix("_previous")]()
+    script = script_for(family, tokenizer)
+    messages: list[dict] = []
+    for index, turn in enumerate(script):
+        for message in turn.new_messages:
+            messages.append(
+                {**message, "tool_call_id": f"call_{index - 1}"} if message["role"] == "tool" else message
+            )
+        if index < len(script) - 1:
+            calls = [
+                {"id": f"call_{index}", "type": "function", "function": {"name": n, "arguments": "{}"}}
+                for n in turn.call_names
+            ]
+            messages.append(
+                {"role": "assistant", "content": "An answer.", "tool_calls": calls}
+                if calls
+                else {"role": "assistant", "content": "An answer."}
+            )
+    tools = family is not None
+    previous = ("resp_benchsession_9", len(messages) - 1) if dialect == "responses_previous" else None
+    raw = json.dumps(dialect_body(dialect, messages, tools, previous))
+    context = RequestContext("benchsession", 1024, {}, family.tool_call_parser if family else None, 16, None)
+    parsed = implementation.parse(json.loads(raw), context)
+    reply = Reply("The answer.", "Some reasoning." if family and family.reasoning_parser else None)
+    ids = array("i", range(40))
+    result = TurnResult(10, [Choice(10, reply, "stop", ids, array("f", [0.0] * 40))], 2000, 0.0)
+    answered = Answered("benchsession", "m", 0, result, parsed, None)  # type: ignore[arg-type]
+
+    def best(work) -> float:
+        return round(min(timeit.repeat(work, number=200, repeat=5)) / 200 * 1e6, 1)
+
+    streamed = replace(answered, parsed=replace(parsed, request=replace(parsed.request, stream=True)))
+    return {
+        "parse_us": best(lambda: implementation.parse(json.loads(raw), context)),
+        "answer_us": best(lambda: implementation.answer(answered)),
+        "stream_us": best(lambda: b"".join(implementation.answer(streamed))),
+        "request_bytes": len(raw),
+    }
 
 
 def dialect_body(dialect: str, messages: list[dict], tools: bool, previous: tuple[str, int] | None) -> dict:
@@ -308,6 +362,7 @@ def measure(
     result = {
         "name": name,
         "dialect": dialect,
+        "in_process": dialect_work_us(dialect, family, tokenizer),
         "vocabulary": len(tokenizer),
         "tool_call_parser": family.tool_call_parser if family else None,
         "reasoning_parser": family.reasoning_parser if family else None,
