@@ -157,11 +157,17 @@ def _tool_choice(choice: Any, names: frozenset[str]) -> str | dict[str, Any]:
     return {"type": "function", "function": {"name": name}}
 
 
-def check_tool_results(messages: Sequence[Mapping[str, Any]]) -> None:
-    """Every tool message answers a call of the last assistant message before it."""
+def check_tool_results(messages: Sequence[Mapping[str, Any]], after_recorded_reply: bool = False) -> None:
+    """Every tool message answers a call of the last assistant message before it. After a recorded
+    reply (`after_recorded_reply`), the tool messages that open `messages` answer that reply's calls:
+    the turn checks those."""
     open_calls: set[str] = set()
     for index, message in enumerate(messages):
         role = message["role"]
+        if after_recorded_reply:
+            if role == "tool":
+                continue
+            after_recorded_reply = False
         if role == "assistant":
             open_calls = {call["id"] for call in message.get("tool_calls", ())}
         elif role == "tool":

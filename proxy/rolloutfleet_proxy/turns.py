@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import itertools
 import random
 import secrets
 import time
@@ -25,6 +26,7 @@ from rolloutfleet_wire.session_record import (
     FINISH_NAMES,
     FINISH_UNKNOWN,
     FLAG_PROMPT_OPENS_REASONING,
+    NO_DIGEST,
     NO_STOP_TOKEN,
     ROOT,
     ImageSpan,
@@ -54,8 +56,10 @@ from .failures import (
     SessionFinished,
     ShuttingDown,
     TemplateFailed,
+    ToolResultWithoutCall,
     TooManyBranches,
     TurnInFlight,
+    UnknownPreviousTurn,
     UpstreamAborted,
     UpstreamImageMismatch,
 )
@@ -111,6 +115,7 @@ class Choice:
     finish: str  # SGLang's finish type: "stop", "length", "abort"
     output_ids: array
     logprobs: array
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass(frozen=True)
@@ -132,6 +137,7 @@ class NewInput:
     parent: int
     keep: int
     own_ids: array  # the part of `ids` not already stored under `parent`
+    history_length: int  # messages in the whole history before the reply
     images: tuple[ImageSpan, ...] = ()  # the new messages' images, offsets into `ids`
     own_images: tuple[ImageSpan, ...] = ()  # those among `own_ids`, offsets into `own_ids`
 
@@ -210,9 +216,15 @@ class TurnService:
 
     def plan(self, session: Session, request: ChatRequest) -> NewInput | TurnResult:
         """A recorded answer to send again (a retry), or the ids this request adds to the tree."""
-        seed = tools_digest(request.tools.tools if request.tools else None)
-        digests = message_digests(seed, request.messages)
-        placement = place(session, digests, call_parameters(request))
+        if request.previous is None:
+            seed = tools_digest(request.tools.tools if request.tools else None)
+            placement = place(session, message_digests(seed, request.messages), call_parameters(request))
+            history_length = len(request.messages)
+        else:  # the history is the named turn's: its digest goes on with the messages after it
+            previous = self._previous_turn(session, request)
+            digests = message_digests(tree.digest_at(session.turn_end_digests, previous), request.messages)
+            placement = place(session, digests, call_parameters(request), base=previous)
+            history_length = session.turn_message_counts[previous] + len(request.messages)
         replay = self._replay(session, request, placement.request_digest)
         if replay is not None:
             return replay
@@ -242,7 +254,40 @@ class TurnService:
         cut = keep - tree.path_length(session, placement.base)
         own = ids[cut:]
         own_images = tuple(i._replace(offset=i.offset - cut) for i in images if i.offset >= cut)
-        return NewInput(placement, ids, text, parent, keep, own, tuple(images), own_images)
+        return NewInput(placement, ids, text, parent, keep, own, history_length, tuple(images), own_images)
+
+    def _previous_turn(self, session: Session, request: ChatRequest) -> int:
+        """The recorded turn a request continues (`request.previous`), checked: delivered, and the tool
+        results that open the request answer calls its reply made."""
+        turn = request.previous
+        assert turn is not None
+        if (
+            not 0 <= turn < session.committed_turns
+            or tree.digest_at(session.turn_end_digests, turn) == NO_DIGEST
+        ):
+            raise UnknownPreviousTurn(session.session_id, turn)
+        results = [
+            m["tool_call_id"] for m in itertools.takewhile(lambda m: m["role"] == "tool", request.messages)
+        ]
+        if results:
+            made = {call["id"] for call in self._recorded_reply(session, turn, request).tool_calls}
+            for call_id in results:
+                if call_id not in made:
+                    raise ToolResultWithoutCall(call_id, sorted(made))
+        return turn
+
+    def _recorded_reply(self, session: Session, turn: int, request: ChatRequest) -> Reply:
+        """A recorded turn's reply, rebuilt from its ids as the client got it."""
+        _, output_start, end = tree.bounds(session, turn)
+        stop_token = session.turn_stop_tokens[turn]
+        return self._replies.build(
+            session.token_ids[output_start:end],
+            None if stop_token == NO_STOP_TOKEN else stop_token,
+            session.turn_stop_strings.get(turn),
+            request.tools,
+            bool(session.turn_flags[turn] & FLAG_PROMPT_OPENS_REASONING),
+            f"{session.session_id}/{turn}",
+        )
 
     def _expand_images(self, ids: array, digests: list[bytes]) -> tuple[array, list[ImageSpan]]:
         """The new ids with each image's placeholder expanded to the token count the model directory's
@@ -320,18 +365,18 @@ class TurnService:
         choices = []
         for turn in tree.calls(session)[call]:
             _, output_start, end = tree.bounds(session, turn)
-            output_ids = session.token_ids[output_start:end]
-            stop_token = session.turn_stop_tokens[turn]
-            reply = self._replies.build(
-                output_ids,
-                None if stop_token == NO_STOP_TOKEN else stop_token,
-                session.turn_stop_strings.get(turn),
-                request.tools,
-                bool(session.turn_flags[turn] & FLAG_PROMPT_OPENS_REASONING),
-                f"{session.session_id}/{turn}",
-            )
+            reply = self._recorded_reply(session, turn, request)
             finish = FINISH_NAMES.get(session.turn_finishes[turn], "stop")
-            choices.append(Choice(turn, reply, finish, output_ids, session.logprobs[output_start:end]))
+            choices.append(
+                Choice(
+                    turn,
+                    reply,
+                    finish,
+                    session.token_ids[output_start:end],
+                    session.logprobs[output_start:end],
+                    session.turn_stop_strings.get(turn),
+                )
+            )
         _, first_output, _ = tree.bounds(session, call)
         prompt_tokens = tree.path_length(session, call) - (tree.bounds(session, call)[2] - first_output)
         return TurnResult(call, choices, prompt_tokens, session.turn_created[call], replayed)
@@ -465,7 +510,7 @@ class TurnService:
                     own,
                     generation.output_ids,
                     generation.logprobs,
-                    message_count=len(request.messages) + 1,
+                    message_count=new.history_length + 1,
                     history_digest=extend_digest(new.placement.history_digest, [reply.message()]),
                     stopped=stop_token is not None,
                     stop_token=stop_token,
@@ -494,6 +539,7 @@ class TurnService:
                         generation.finish_reason,
                         generation.output_ids,
                         generation.logprobs,
+                        generation.stop_string,
                     )
                 )
             t_journal = time.perf_counter()

@@ -46,6 +46,8 @@ class ErrorCode(StrEnum):
     INVALID_TOOL_CHOICE = "invalid_tool_choice"  # 400
     UNKNOWN_TOOL_CALL_ID = "unknown_tool_call_id"  # 400
     NO_NEW_MESSAGES = "no_new_messages"  # 400: nothing after the recorded history
+    # 400: a Responses request's previous_response_id names no delivered turn of its session
+    PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"
     NEW_MESSAGES_TOO_LARGE = "new_messages_too_large"  # 400
     # Images (vision-language models): a broken or unreadable image, or a format not allowed; one over
     # max_image_bytes or a request's images over max_request_image_bytes; video, audio or file parts,
