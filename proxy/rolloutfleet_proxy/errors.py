@@ -135,7 +135,7 @@ def http_error(failure: f.Failure) -> ProxyError:
             | f.ImageNotTaken()
         ):
             return bad_request(failure.code, failure.message)
-        case f.UpstreamFailed() | f.UpstreamImageMismatch():
+        case f.UpstreamFailed() | f.UpstreamImageMismatch() | f.UpstreamRoutingMissing():
             return ProxyError(502, failure.code, failure.message)
         case f.UpstreamTimedOut():
             return ProxyError(504, failure.code, failure.message)

@@ -33,6 +33,8 @@ class Generation:
     rid: str | None = None  # SGLang's meta_info.id: the engine request (a sample's own rid, in a group)
     # The prompt ids as the engine expanded them (`return_prompt_token_ids`, asked with images).
     prompt_token_ids: array | None = None
+    # Routing replay: `meta_info.routed_experts` as SGLang sent it (base64 of int32 rows), when asked.
+    routed_experts: str | None = None
 
     @property
     def aborted(self) -> bool:
@@ -122,6 +124,7 @@ def _generation(answer: object) -> Generation:
     text = answer.get("text", "")
     if not isinstance(text, str):
         raise UpstreamFailed("upstream text is not a string")
+    routed = meta.get("routed_experts")
     prompt_ids = answer.get("prompt_token_ids")
     if prompt_ids is not None:
         try:
@@ -141,6 +144,7 @@ def _generation(answer: object) -> Generation:
         abort_message=abort_message,
         rid=rid if isinstance(rid, str) else None,
         prompt_token_ids=prompt_ids,
+        routed_experts=routed if isinstance(routed, str) else None,
     )
 
 
@@ -185,13 +189,17 @@ class SGLangClient:
         routing_key: str | None = None,
         rid: str | None = None,
         images: Sequence[bytes] = (),
+        routed_experts_start: int | None = None,
     ) -> Generation:
         """One `/generate`. `routing_key` (the session id) goes in `X-SMG-Routing-Key`, the header
         sglang-router's `manual` policy routes by, so a session's turns stay on one engine's prefix
         cache. `rid` names the request on the engine (its logs, `/abort_request`). `images`: the
-        digests of every image of the prompt, in order (one placeholder each in `input_ids`)."""
+        digests of every image of the prompt, in order (one placeholder each in `input_ids`).
+        `routed_experts_start`: ask for the routing of positions from there on (routing replay)."""
         return parse_generate_answer(
-            await self._post_generate(input_ids, sampling_params, routing_key, rid, images)
+            await self._post_generate(
+                input_ids, sampling_params, routing_key, rid, images, routed_experts_start
+            )
         )
 
     async def generate_samples(
@@ -202,6 +210,7 @@ class SGLangClient:
         routing_key: str | None = None,
         rid: str | None = None,
         images: Sequence[bytes] = (),
+        routed_experts_start: int | None = None,
     ) -> list[Generation]:
         """n samples of one prompt in ONE `/generate` with `sampling_params.n` (a GRPO group), in
         SGLang's sample order. SGLang batches them itself (`TokenizerManager._handle_batch_request`):
@@ -219,7 +228,7 @@ class SGLangClient:
         if n > 1:
             params["n"] = n
         return parse_generate_samples(
-            await self._post_generate(input_ids, params, routing_key, rid, images), n
+            await self._post_generate(input_ids, params, routing_key, rid, images, routed_experts_start), n
         )
 
     async def _post_generate(
@@ -229,6 +238,7 @@ class SGLangClient:
         routing_key: str | None,
         rid: str | None,
         images: Sequence[bytes] = (),
+        routed_experts_start: int | None = None,
     ) -> bytes:
         """POST /generate (non-streaming, output logprobs); the body of a 200, else the upstream's failure.
         With images, `image_data` lists each as a data URI, streamed from the image store (one piece of
@@ -247,6 +257,11 @@ class SGLangClient:
             request["rid"] = rid
         if images:
             request["return_prompt_token_ids"] = True
+        if routed_experts_start is not None:
+            # Needs engines run with --enable-return-routed-experts, and a gateway that passes these
+            # fields (sglang-router 0.3.2 drops them: its GenerateRequest has no catch-all).
+            request["return_routed_experts"] = True
+            request["routed_experts_start_len"] = routed_experts_start
         payload = orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
         headers = {"content-type": "application/json"}
         if routing_key is not None:
