@@ -51,7 +51,7 @@ class ProxySettings(BaseSettings):
         "a request's chat_template_kwargs override them key by key.",
     )
     routed_experts: bool = Field(
-        False,
+        fleet.PROXY_ROUTED_EXPERTS,
         description="Routing replay (R3) for mixture-of-experts models: ask SGLang for the experts every "
         "token was routed to, keep them on the dump volume and export them with the tokens. The engines "
         "need --enable-return-routed-experts and the gateway must pass return_routed_experts "
