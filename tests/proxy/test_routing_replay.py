@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import torch
 from proxy_harness import ADMIN, bearer, chat_body, proxy_process, running_proxy
+from rolloutfleet_client.trainer import PulledBatch, to_torch
 from rolloutfleet_proxy.storage.routing_store import HEADER_BYTES, routing_key
 from rolloutfleet_testkit.moe_model import moe_model_dir
 from rolloutfleet_testkit.processes import serve_app
@@ -140,12 +142,15 @@ def _post_quietly(url: str, headers: dict, body: dict) -> object:
         return exc
 
 
-def export(url: str, samples: str = "latest"):
-    response = httpx.post(
-        f"{url}/v1/exports", headers=ADMIN, json={"samples": samples, "max_trajectories": 100}, timeout=60
-    )
+def export_bytes(url: str, samples: str = "latest") -> bytes:
+    body = {"samples": samples, "max_trajectories": 100}
+    response = httpx.post(f"{url}/v1/exports", headers=ADMIN, json=body, timeout=60)
     assert response.status_code == 201, response.text
-    return decode_batch(response.content)
+    return response.content
+
+
+def export(url: str, samples: str = "latest"):
+    return decode_batch(export_bytes(url, samples))
 
 
 def test_a_turn_continued_across_a_weight_update_keeps_each_tokens_rows(model_dir, tmp_path):
@@ -185,7 +190,8 @@ def test_a_turn_continued_across_a_weight_update_keeps_each_tokens_rows(model_di
         sender.join(60)
         assert answers[0].status_code == 200, answers[0]
         assert httpx.post(f"{proxy.url}/v1/sessions/{sid}/finish", headers=bearer(key)).status_code == 200
-        batch = export(proxy.url)
+        data = export_bytes(proxy.url)
+        batch = decode_batch(data)
         trajectory = batch.trajectory(0)
         ids, versions = trajectory["input_ids"], trajectory["versions"]
         _, output_start, end = trajectory["turn_bounds"][-1]
@@ -195,6 +201,13 @@ def test_a_turn_continued_across_a_weight_update_keeps_each_tokens_rows(model_di
         new, _ = route(ids[: end - 1], 7, MOE)
         assert np.array_equal(batch.routed_experts(0), np.concatenate([old, new[change - 1 :]]))
         assert not np.array_equal(old[output_start:], route(ids[: change - 1], 7, MOE)[0][output_start:])
+        # The trainer's tensors: aligned with input_ids, the last token without a row.
+        tensors = to_torch([PulledBatch(proxy.url, batch.batch_id, data)], routed_experts=True)
+        n = len(ids)
+        assert tensors["routed_experts"].shape == (1, n, MOE.layers, MOE.top_k)
+        assert tensors["routed_experts"].dtype == torch.uint8
+        assert tensors["routed_experts_mask"][0].tolist() == [True] * (n - 1) + [False]
+        assert np.array_equal(tensors["routed_experts"][0, : n - 1].numpy(), batch.routed_experts(0))
 
 
 @pytest.mark.parametrize(
