@@ -249,7 +249,8 @@ def test_a_turn_without_routing_fails_with_502_and_records_nothing(through_route
 
 def test_rows_lost_with_unsynced_writes_are_rebuilt_from_the_journal(model_dir, tmp_path):
     """A machine that loses the routing file's unsynced writes (here: all of them) keeps the journal,
-    fsynced with every turn: the restore writes the file again, byte for byte."""
+    fsynced with every turn: the restore writes the file again, byte for byte. A restart with routing
+    replay off keeps the sessions and drops their rows."""
     import shutil
 
     from rolloutfleet_proxy.storage.restore import recover
@@ -270,6 +271,10 @@ def test_rows_lost_with_unsynced_writes_are_rebuilt_from_the_journal(model_dir, 
     recovered = recover(copy, routing_shape=RoutingShape(MOE.layers, MOE.top_k, MOE.experts))
     assert sid in recovered.sessions and not recovered.lost
     assert routing_file(copy, sid, key).read_bytes() == original
+    # Restarted with routing replay off: the session is back with its tokens, its rows dropped.
+    off = recover(copy)
+    assert off.sessions[sid].num_turns == 2 and not any(off.sessions[sid].turn_routed)
+    assert not routing_file(copy, sid, key).exists()
 
 
 class _single:

@@ -41,7 +41,7 @@ from .dumps import (
 )
 from .journal import journal_dir, list_segments
 from .journal_records import CREATE, END, FINISH, REWARD, TURN, Record, incarnation, recorded_turn, scan
-from .routing_store import ROUTING_AREA, RoutingRestore, routing_key
+from .routing_store import ROUTING_AREA, RoutingRestore, drop_routing, routing_key
 from .state_file import ProxyState, StateFormatError, read_state, state_path
 
 log = logging.getLogger("rolloutfleet.proxy.recovery")
@@ -211,7 +211,8 @@ def recover(
     result = Recovered()
     result.lost.update(_read_lost(dump_dir))
     unreadable: set[str] = set()
-    routing = RoutingRestore(dump_dir / ROUTING_AREA, routing_shape)
+    # Routing replay off: rows recorded before are dropped (the turns keep their tokens), not lost.
+    routing = None if routing_shape is None else RoutingRestore(dump_dir / ROUTING_AREA, routing_shape)
     for path in list_live_dumps(dump_dir, LIVE_AREA):
         name = path.name[: -len(SUFFIX)]
         try:
@@ -226,7 +227,7 @@ def recover(
                 unreadable.add(name)
             continue
         try:
-            problem = routing.from_snapshot(record)
+            problem = None if routing is None else routing.from_snapshot(record)
         except OSError as exc:
             problem = f"its routing file cannot be cut back ({exc})"
         if problem:
@@ -255,11 +256,14 @@ def recover(
             replay.apply(record)
         del scanned
     replay.finish()
-    for sid, problem in routing.finish(result.sessions).items():
-        log.error("cannot restore session %s: %s", sid, problem)
-        del result.sessions[sid]
-        result.lost[sid] = problem
-    result.routing_sizes = routing.sizes
+    if routing is None:
+        drop_routing(dump_dir / ROUTING_AREA, result.sessions.values())
+    else:
+        for sid, problem in routing.finish(result.sessions).items():
+            log.error("cannot restore session %s: %s", sid, problem)
+            del result.sessions[sid]
+            result.lost[sid] = problem
+        result.routing_sizes = routing.sizes
     for sid in unreadable:
         if sid not in result.sessions:
             result.lost.setdefault(sid, "its snapshot failed verification")

@@ -363,3 +363,16 @@ class RoutingRestore:
                     path.unlink(missing_ok=True)
         self.sizes = {k: v for k, v in self.sizes.items() if k in keep}
         return problems
+
+
+def drop_routing(directory: Path, records: Iterable[SessionRecord]) -> None:
+    """Routing replay is off: the restored sessions' turns hold no rows any more, and their files go
+    (blocking). Turned on again, later turns record rows and earlier ones stay without."""
+    for record in records:
+        for turn in range(len(record.turn_routed)):
+            record.turn_routed[turn] = 0
+            record.turn_routing_crcs[turn] = 0
+    if directory.is_dir():
+        for path in directory.iterdir():
+            if path.name.endswith(SUFFIX):
+                path.unlink(missing_ok=True)
