@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from .storage.images import ImageStore
 
 # sglang-router's `manual` policy routes requests with the same key to the same engine.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+# Answers from this size on are parsed in a worker thread: with routing replay, a long prompt's first
+# answer carries its rows (a 32k-token prompt of a 48 x 8 model: 67 MB of base64).
+OFFLOAD_PARSE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -196,11 +200,12 @@ class SGLangClient:
         cache. `rid` names the request on the engine (its logs, `/abort_request`). `images`: the
         digests of every image of the prompt, in order (one placeholder each in `input_ids`).
         `routed_experts_start`: ask for the routing of positions from there on (routing replay)."""
-        return parse_generate_answer(
-            await self._post_generate(
-                input_ids, sampling_params, routing_key, rid, images, routed_experts_start
-            )
+        body = await self._post_generate(
+            input_ids, sampling_params, routing_key, rid, images, routed_experts_start
         )
+        if len(body) >= OFFLOAD_PARSE_BYTES:
+            return await asyncio.to_thread(parse_generate_answer, body)
+        return parse_generate_answer(body)
 
     async def generate_samples(
         self,
@@ -227,9 +232,10 @@ class SGLangClient:
         params = {key: value for key, value in sampling_params.items() if key != "n"}
         if n > 1:
             params["n"] = n
-        return parse_generate_samples(
-            await self._post_generate(input_ids, params, routing_key, rid, images, routed_experts_start), n
-        )
+        body = await self._post_generate(input_ids, params, routing_key, rid, images, routed_experts_start)
+        if len(body) >= OFFLOAD_PARSE_BYTES:
+            return await asyncio.to_thread(parse_generate_samples, body, n)
+        return parse_generate_samples(body, n)
 
     async def _post_generate(
         self,
