@@ -524,7 +524,7 @@ class TurnService:
         if routed_from is None or turn.routing is None or shape is None:
             return None
         start = first_row(session, parent, keep)
-        rows = turn.routing[(start - routed_from) * shape.row_bytes :]
+        rows = turn.routing[max(0, start - routed_from) * shape.row_bytes :]
         expected = max(0, keep + own + len(turn.generation.output_ids) - 1 - start)
         if len(rows) != expected * shape.row_bytes:
             raise UpstreamRoutingMissing(f"the turn has {len(rows)} bytes of routing, not {expected} rows")
