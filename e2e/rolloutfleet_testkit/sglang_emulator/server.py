@@ -17,15 +17,22 @@ meet (`protocol.py`, `scheduler.py`, `radix_cache.py` name the SGLang functions 
   the expanded prompt, `meta_info.image_tokens` the image tokens, and `return_prompt_token_ids`
   answers the expanded ids as `prompt_token_ids` at the top level (for text prompts too).
   `sampling_seed` counts only with `--enable-deterministic-inference`, as in SGLang.
-  Routing replay (a mixture-of-experts model directory, whose config.json names experts; model.py):
-  with `--enable-return-routed-experts` (`ServerArgs.enable_return_routed_experts`), a request with
-  `return_routed_experts` gets `meta_info.routed_experts` once it has ended (aborted too, if it ran):
-  base64 of the int32 rows [seqlen - 1 - start, num_hidden_layers, num_experts_per_tok] of positions
-  [`routed_experts_start_len`, prompt + output - 1), prompt positions included, the last output token
-  never (it was not forwarded), as `Scheduler.maybe_collect_routed_experts` and
-  `DetokenizerManager._extract_routed_experts` make it. `routed_experts_start_len` outside
-  [0, prompt_tokens] is a 400. Without the flag the field is never answered (SGLang's capturer is a
-  no-op then). A streamed request gets it in its last chunk.
+  Routing replay (a mixture-of-experts model directory, whose config.json names experts; model.py),
+  as SGLang's source has it: `--enable-return-routed-experts` (`ServerArgs.enable_return_routed_experts`)
+  makes `RoutedExpertsCapturer.create` a real capturer (else a no-op one: the field is never
+  answered); `topk.select_experts` hands it each layer's top-k ids (after the logical-to-physical
+  mapping when EPLB runs), kept per KV slot in a host buffer [slots, num_hidden_layers,
+  num_experts_per_tok] of int32 (`_RoutedExpertsHostCache`). A request with `return_routed_experts`
+  (`GenerateReqInput`) gets, once it has ended, aborted ones included
+  (`Scheduler.maybe_collect_routed_experts` -> `get_routed_experts(req_pool_idx, seqlen)`:
+  `buffer[req_to_token[:seqlen - 1]]`), the rows of positions [`routed_experts_start_len`,
+  prompt + output - 1): prompt positions too (a cached prefix reports what its slots were computed
+  with), never the last output token (sampled, not forwarded). `DetokenizerManager._extract_routed_experts`
+  sends them as base64 of the int32 bytes, `TokenizerManager._handle_batch_output` puts that in
+  `meta_info["routed_experts"]`; no shape is sent (`extract_routed_experts_from_meta_info` reads
+  int32; slime and miles reshape to (len(tokens) - 1, num_layers, moe_router_topk) and keep the last
+  turn's). `routed_experts_start_len` outside [0, prompt_tokens] is a 400 here (SGLang's bound; its
+  message differs). A streamed request gets the rows in its last chunk (they exist once it ended).
 - `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`,
   `POST /update_weights_from_disk {"model_path", "weight_version", "abort_all_requests",
   "flush_cache", "load_format"}` -> `{"success", "message", "num_paused_requests"}`,
