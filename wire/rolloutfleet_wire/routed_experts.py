@@ -94,7 +94,8 @@ def shape_from_model_config(config: dict[str, Any]) -> RoutingShape:
     """The routing shape of a model's config.json, read as SGLang reads it (`hf_text_config`: a
     vision-language model's `text_config`): `num_hidden_layers`, `num_experts_per_tok`, and the expert
     count under one of EXPERT_COUNT_KEYS. RoutingError naming what is missing for a dense model."""
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    nested = config.get("text_config")
+    text: dict[str, Any] = nested if isinstance(nested, dict) else config
     experts = next((text[key] for key in EXPERT_COUNT_KEYS if isinstance(text.get(key), int)), None)
     layers, top_k = text.get("num_hidden_layers"), text.get("num_experts_per_tok")
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (layers, top_k, experts)):

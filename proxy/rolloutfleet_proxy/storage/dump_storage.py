@@ -89,7 +89,7 @@ class DumpStorage(Storage):
         `state`: the state file's content now."""
         self.health = StorageHealth()
         self.images = ImageStore(dump_dir / IMAGES_AREA)
-        self.routing = RoutingFiles(dump_dir / ROUTING_AREA, self._routing_failed)
+        self.routing: RoutingFiles = RoutingFiles(dump_dir / ROUTING_AREA, self._routing_failed)
         self._dump_dir = dump_dir
         self._counters = counters
         self._durability = durability

@@ -24,7 +24,7 @@ import os
 import struct
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from rolloutfleet_wire.routed_experts import RoutingError, RoutingShape, row_offsets
@@ -324,7 +324,7 @@ class RoutingRestore:
             f.write(rows)
         self.sizes[key] = self.sizes.get(key, 0) + len(rows)
 
-    def finish(self, records: dict[str, SessionRecord]) -> dict[str, str]:
+    def finish(self, records: Mapping[str, SessionRecord]) -> dict[str, str]:
         """Check every restored session's file, sync it, and remove the others; returns the sessions
         (by id) whose routing does not add up, with why."""
         problems: dict[str, str] = {}
