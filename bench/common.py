@@ -237,7 +237,10 @@ class ChatSessions:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self._gate = asyncio.Semaphore(concurrency)
-        self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 8))
+        # Idle connections are dropped before uvicorn's 5 s keep-alive closes them: otherwise a turn sent
+        # on a connection the server is closing fails with ReadError (seen when turns slow down).
+        limits = httpx.Limits(max_connections=concurrency + 8, keepalive_expiry=2.0)
+        self.client = httpx.AsyncClient(timeout=600, limits=limits)
         self.sessions: list[dict] = []
         self.turns_done = 0
 

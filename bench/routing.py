@@ -6,8 +6,8 @@ routed experts of Qwen3-30B-A3B's shape (48 layers x top-8 of 128 experts: uint8
 one with `--routed-experts` (and a model directory of that shape), one without. Each holds S
 sessions of T turns (a user message and `--output-tokens` generated tokens per turn, the history
 re-sent), left idle; then per token held: RSS above the proxy's RSS before the sessions (from
-/stats), journal bytes written, routing file bytes; then every session is finished and exported in
-one batch: its bytes per exported token.
+/stats, each after a heap trim), journal bytes written, routing file bytes; then every session is
+finished and exported in one batch: its bytes per exported token.
 """
 
 from __future__ import annotations
@@ -20,7 +20,17 @@ import time
 from pathlib import Path
 
 import httpx
-from common import ADMIN, ChatSessions, progress, proxy_process, save_result, tokenizer_dir, upstream_stub
+import psutil
+from common import (
+    ADMIN,
+    ChatSessions,
+    cpu_seconds,
+    progress,
+    proxy_process,
+    save_result,
+    tokenizer_dir,
+    upstream_stub,
+)
 
 SHAPE = (48, 8, 128)  # Qwen3-30B-A3B: num_hidden_layers, num_experts_per_tok, num_experts
 
@@ -31,19 +41,32 @@ async def stats(url: str) -> dict:
 
 
 async def settled_rss(url: str) -> int:
-    """RSS once the turns' transient allocations settled (the proxy samples RSS at most once a second)."""
-    await asyncio.sleep(2.5)
+    """RSS after the cleanup cycle trimmed the heap (turns leave freed memory in malloc's arenas, many
+    at 64 turns at once: that is not what the sessions hold). A deleted throwaway session is a
+    departure, which makes the next cycle (every second here) trim."""
+    async with httpx.AsyncClient() as client:
+        trims = (await stats(url))["totals"]["heap_trims"]
+        created = (await client.post(f"{url}/v1/sessions", headers=ADMIN, json={})).json()
+        await client.delete(f"{url}/v1/sessions/{created['session_id']}", headers=ADMIN)
+        deadline = time.monotonic() + 30
+        while (await stats(url))["totals"]["heap_trims"] <= trims:
+            if time.monotonic() > deadline:
+                raise RuntimeError("no heap trim within 30 s")
+            await asyncio.sleep(0.2)
+    await asyncio.sleep(1.2)  # the proxy samples its RSS at most once a second
     return int((await stats(url))["rss_bytes"])
 
 
-async def measure(url: str, work: Path, sessions: int, turns: int, output_tokens: int) -> dict:
+async def measure(
+    url: str, process: psutil.Process, work: Path, sessions: int, turns: int, output_tokens: int
+) -> dict:
     before = await settled_rss(url)
     async with ChatSessions(
         url, sessions, concurrency=64, max_tokens=output_tokens, temperature=0.7
     ) as chats:
-        started = time.monotonic()
+        started, cpu = time.monotonic(), cpu_seconds(process)
         await chats.run_turns(turns)
-        played_s = time.monotonic() - started
+        played_s, cpu = time.monotonic() - started, cpu_seconds(process) - cpu
         held = await stats(url)
         rss = await settled_rss(url)
         tokens = int(held["tokens_held"])
@@ -77,6 +100,8 @@ async def measure(url: str, work: Path, sessions: int, turns: int, output_tokens
         "exported_tokens": exported_tokens,
         "export_bytes_per_token": round(len(batch) / max(1, exported_tokens), 1),
         "routed_rows_exported": len(decoded.tensors["routed_experts"]),
+        "proxy_cpu_ms_per_turn": round(cpu / (sessions * turns) * 1000, 3),
+        "loop_lag_max_seconds": held["loop_lag_max_seconds"],
     }
 
 
@@ -85,15 +110,15 @@ def run(work: Path, routing: bool, sessions: int, turns: int, output_tokens: int
 
     model = moe_model_dir(tokenizer_dir(), work / "moe", *SHAPE)
     shape = "x".join(map(str, SHAPE))
-    flags = ["--no-log-requests", "--upstream-max-connections", "256"]
+    flags = ["--no-log-requests", "--upstream-max-connections", "256", "--cleanup-interval-s", "1"]
     if routing:
         flags.append("--routed-experts")
     with (
         upstream_stub(work, latency_s, output_tokens, routing=shape) as (stub, _),
-        proxy_process(work, stub, *flags, tokenizer=model) as (url, _),
+        proxy_process(work, stub, *flags, tokenizer=model) as (url, process),
     ):
         progress(f"R3 {'on' if routing else 'off'}: {sessions} sessions x {turns} turns")
-        result = asyncio.run(measure(url, work, sessions, turns, output_tokens))
+        result = asyncio.run(measure(url, process, work, sessions, turns, output_tokens))
     progress(f"R3 {'on' if routing else 'off'}: {result}")
     return {"routing": "on" if routing else "off", **result}
 
