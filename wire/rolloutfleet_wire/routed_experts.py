@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,14 +107,21 @@ def shape_from_model_config(config: dict[str, Any]) -> RoutingShape:
     return RoutingShape(int(layers), int(top_k), int(experts))  # type: ignore[arg-type]
 
 
-def rows_from_sglang(payload: object, start: int, end: int, shape: RoutingShape) -> bytes:
+def rows_from_sglang(
+    payload: object,
+    start: int,
+    end: int,
+    shape: RoutingShape,
+    b64decode: Callable[..., bytes] = base64.b64decode,
+) -> bytes:
     """The rows for positions [start, end) from SGLang's `meta_info.routed_experts` (base64 int32),
     as `shape.dtype` bytes. An engine that ignores `routed_experts_start_len` (releases before it)
-    answers from position 0: its first `start` rows are dropped. RoutingError for anything else."""
+    answers from position 0: its first `start` rows are dropped. RoutingError for anything else.
+    `b64decode`: the standard library's, or a faster one with its signature (the proxy's)."""
     if not isinstance(payload, str):
         raise RoutingError("the answer has no meta_info.routed_experts")
     try:
-        raw = base64.b64decode(payload, validate=True)
+        raw = b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise RoutingError("meta_info.routed_experts is not base64") from None
     values = np.frombuffer(raw, dtype="<i4") if len(raw) % 4 == 0 else None
