@@ -296,4 +296,4 @@ def test_exports_carry_each_samples_rows_aligned_with_its_tokens_and_older_batch
             assert np.array_equal(batch.routed_experts(i), expected)
             assert batch.routed_experts(i).nbytes == (len(ids) - 1) * SHAPE.row_bytes
     plain = decode_batch(encode_batch("b2", [s.to_record()], 0))
-    assert plain.routing is None and plain.trajectory(0)["routed_experts"] is None
+    assert plain.routing is None and plain.trajectory(0)["routed_experts_rows"] == 0
