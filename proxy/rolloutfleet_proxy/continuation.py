@@ -56,6 +56,7 @@ class MergedTurn:
     version: int  # the version of the first segment
     version_changes: list[tuple[int, int]]  # (offset into output_ids, version) where it changed
     continuations: int  # segments after the first
+    routing: bytes | None = None  # routing replay's rows for the turn (routing_rows.turn_rows), when asked
 
 
 def engine_version(weight_version: str | None, fallback: int) -> int:

@@ -161,7 +161,7 @@ def http_error(failure: f.Failure) -> ProxyError:
             | f.ToolResultWithoutCall()
         ):
             return bad_request(failure.code, failure.message)
-        case f.UpstreamFailed() | f.UpstreamImageMismatch():
+        case f.UpstreamFailed() | f.UpstreamImageMismatch() | f.UpstreamRoutingMissing():
             return ProxyError(502, failure.code, failure.message)
         case f.UpstreamTimedOut():
             return ProxyError(504, failure.code, failure.message)

@@ -303,6 +303,13 @@ class UpstreamImageMismatch(Failure):
     code = ErrorCode.UPSTREAM_IMAGE_MISMATCH
 
 
+class UpstreamRoutingMissing(Failure):
+    """Routing replay is on and SGLang's answer lacks the routing of some token, or it does not fit
+    the model: nothing was recorded."""
+
+    code = ErrorCode.UPSTREAM_ROUTING_MISSING
+
+
 class UpstreamRefused(Failure):
     """SGLang refused the turn (400) as one it will not run: the client's problem, not a retry's."""
 

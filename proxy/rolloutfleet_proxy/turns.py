@@ -18,9 +18,10 @@ import secrets
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rolloutfleet_wire import session_tree as tree
+from rolloutfleet_wire.routed_experts import RoutingError, first_row
 from rolloutfleet_wire.session_record import (
     FINISH_CODES,
     FINISH_NAMES,
@@ -62,6 +63,7 @@ from .failures import (
     UnknownPreviousTurn,
     UpstreamAborted,
     UpstreamImageMismatch,
+    UpstreamRoutingMissing,
 )
 from .generation import GenerationControl
 from .history import extend_digest, image_parts, message_text, tools_digest
@@ -71,10 +73,12 @@ from .images import ImageLimits
 from .lifecycle import CancelCause, InFlightTurns
 from .openai_format import ChatRequest
 from .replies import Reply, ReplyBuilder, prompt_opens_reasoning
+from .routing_rows import next_start, turn_rows
 from .session import RecordedTurn, Session
 from .stats import Counters
 from .storage import Pending, Storage
 from .storage.images import ImageStore
+from .storage.routing_store import routing_key
 from .store import SessionStore
 from .tool_grammar import OFFLOAD_TOOLS, tool_choice_grammar
 from .upstream import Generation, SGLangClient
@@ -86,6 +90,8 @@ class TurnLimits:
     offload_templating_bytes: int = 32 * 1024
     max_branches: int = 256  # leaves per session
     abort_ride_through_s: float = 600.0  # how long aborts without progress are resubmitted
+    # Routing replay payloads (base64) from which decoding them runs in a worker thread.
+    offload_routing_bytes: int = 1 << 20
 
 
 def message_text_bytes(messages: list[dict], stop_after: int | None = None) -> int:
@@ -444,14 +450,20 @@ class TurnService:
         self._check_branch_limit(session, new, request.n)
         prompt = self.engine_prompt(session, new)
         sampling = await self._sampling(request, new)
+        # Routing replay: the rows this turn's path lacks start here (the rest are recorded already).
+        routed_from = (
+            None if self._storage.routing.shape is None else first_row(session, new.parent, new.keep)
+        )
         t_up = time.perf_counter()
         timings["tokenize_ms"] = _ms(t_tok, t_up)
-        samples, paused_s = await self._call_upstream(session, prompt, sampling, request.n)
+        samples, paused_s = await self._call_upstream(session, prompt, sampling, request.n, routed_from)
         t_rec = time.perf_counter()
         if paused_s > 0:
             timings["pause_wait_ms"] = round(paused_s * 1000, 3)
         timings["upstream_ms"] = round(_ms(t_up, t_rec) - paused_s * 1000, 3)
-        result = await self._record(session, request, new, samples, len(prompt.expanded), timings)
+        result = await self._record(
+            session, request, new, samples, len(prompt.expanded), timings, routed_from
+        )
         timings["record_ms"] = _ms(t_rec, time.perf_counter())
         return result
 
@@ -478,12 +490,19 @@ class TurnService:
         samples: list[MergedTurn],
         prompt_tokens: int,
         timings: dict[str, float],
+        routed_from: int | None = None,
     ) -> TurnResult:
         """Append every sample as a turn (siblings under the same prompt), journal them, and answer
-        only once they are durable."""
+        only once they are durable. Routing replay rows go to the routing store first (its size is
+        put back with the session's if the turn cannot be made durable)."""
+        routing = self._storage.routing
+        key = routing_key(session.session_id, session.key_digest)
+        routing_mark = routing.size(key)
         temperature, tempered = logprobs_tempered(self._engine_logprobs, request.sampling_params)
         opens_reasoning = prompt_opens_reasoning(new.text)
-        key = None if request.idempotency_key is None else idempotency_key_digest(request.idempotency_key)
+        idempotency = (
+            None if request.idempotency_key is None else idempotency_key_digest(request.idempotency_key)
+        )
         created = time.time()
         mark = session.mark()
         call = session.num_turns
@@ -526,9 +545,12 @@ class TurnService:
                     flags=FLAG_PROMPT_OPENS_REASONING if opens_reasoning else 0,
                     created=created,
                     stop_string=generation.stop_string,
-                    idempotency_key=key if index == 0 else None,
+                    idempotency_key=idempotency if index == 0 else None,
                     images=own_images,
+                    routing=self._own_rows(session, turn, parent, keep, len(own), routed_from),
                 )
+                if recorded.routing is not None:
+                    await routing.append(key, recorded.routing)
                 self._store.record_growth(session.append_turn(recorded))
                 # In the append's synchronous step: the journal's order is the order of the changes.
                 pending.append(self._storage.turn(session, turn_index, recorded))
@@ -548,6 +570,7 @@ class TurnService:
             timings["journal_ms"] = _ms(t_journal, time.perf_counter())
         except Failure:
             # Not durable, so not delivered: the session is as it was, the client may retry the turn.
+            await routing.truncate(key, routing_mark)
             removed = session.rollback(mark)
             if not session.closed:
                 self._store.record_growth(-removed)
@@ -558,8 +581,41 @@ class TurnService:
         self._counters.turns += len(samples)
         return TurnResult(call, choices, prompt_tokens, created)
 
+    def _own_rows(
+        self, session: Session, turn: MergedTurn, parent: int, keep: int, own: int, routed_from: int | None
+    ) -> bytes | None:
+        """A sample's rows as its turn stores them: the turn's rows from the first its own place in
+        the tree lacks (a sibling sample shares the first's prompt rows, stored with the first)."""
+        shape = self._storage.routing.shape
+        if routed_from is None or turn.routing is None or shape is None:
+            return None
+        start = first_row(session, parent, keep)
+        rows = turn.routing[max(0, start - routed_from) * shape.row_bytes :]
+        expected = max(0, keep + own + len(turn.generation.output_ids) - 1 - start)
+        if len(rows) != expected * shape.row_bytes:
+            raise UpstreamRoutingMissing(f"the turn has {len(rows)} bytes of routing, not {expected} rows")
+        return rows
+
+    async def _routing(
+        self, routed_from: int, prompt: EnginePrompt, segments: list[Segment], merged: MergedTurn
+    ) -> MergedTurn:
+        """The merged sample with its routing rows (decoded in a worker thread when large)."""
+        shape = self._storage.routing.shape
+        assert shape is not None
+        args = (routed_from, len(prompt.expanded), segments, shape)
+        size = sum(len(s.generation.routed_experts or "") for s in segments)
+        try:
+            rows = (
+                await asyncio.to_thread(turn_rows, *args)
+                if size >= self._limits.offload_routing_bytes
+                else turn_rows(*args)
+            )
+        except RoutingError as exc:
+            raise UpstreamRoutingMissing(str(exc)) from None
+        return replace(merged, routing=rows)
+
     async def _generate(
-        self, prompt: EnginePrompt, sampling: dict, session: Session, n: int
+        self, prompt: EnginePrompt, sampling: dict, session: Session, n: int, routed_from: int | None = None
     ) -> tuple[list[MergedTurn], float]:
         """Pass the pause gate, then generate n samples; an aborted sample passes the gate again (so it
         waits for the resume) and continues with its tokens kept. Returns the samples and the seconds
@@ -574,12 +630,12 @@ class TurnService:
                 if n == 1:
                     first = [
                         await self._upstream.generate(
-                            prompt.ids, sampling, session.session_id, f"{rid}-0", prompt.digests
+                            prompt.ids, sampling, session.session_id, f"{rid}-0", prompt.digests, routed_from
                         )
                     ]
                 else:
                     first = await self._upstream.generate_samples(
-                        prompt.ids, sampling, n, session.session_id, f"{rid}-0", prompt.digests
+                        prompt.ids, sampling, n, session.session_id, f"{rid}-0", prompt.digests, routed_from
                     )
             finally:
                 self._generation.leave()
@@ -589,24 +645,34 @@ class TurnService:
                 segments.append(Segment(generation, engine_version(generation.weight_version, proxy_version)))
             for index, segments in enumerate(sample_segments):
                 paused_total += await self._ride_through_aborts(
-                    prompt, sampling, session, segments, f"{rid}-{index}"
+                    prompt, sampling, session, segments, f"{rid}-{index}", routed_from
                 )
+            merged = []
+            for segments in sample_segments:
+                turn = merge_segments(segments, int(sampling["max_new_tokens"]), self._tokenizer.decode)
+                if routed_from is not None:
+                    turn = await self._routing(routed_from, prompt, segments, turn)
+                merged.append(turn)
         except BaseException:
             # Tokens an engine made before an abort that could not be continued: counted, not hidden.
             self._counters.generated_tokens_discarded += sum(
                 len(s.generation.output_ids) for segments in sample_segments for s in segments
             )
             raise
-        merged = []
         for segments in sample_segments:
-            merged.append(merge_segments(segments, int(sampling["max_new_tokens"]), self._tokenizer.decode))
             self._counters.generated_tokens_continued += sum(
                 len(s.generation.output_ids) for s in segments[:-1]
             )
         return merged, paused_total
 
     async def _ride_through_aborts(
-        self, prompt: EnginePrompt, sampling: dict, session: Session, segments: list[Segment], rid: str
+        self,
+        prompt: EnginePrompt,
+        sampling: dict,
+        session: Session,
+        segments: list[Segment],
+        rid: str,
+        routed_from: int | None = None,
     ) -> float:
         """Resubmit a sample the engine aborted, with every token made so far, until it finishes. A
         trainer aborts the engine around weight updates without telling the proxy: while aborts make
@@ -628,9 +694,10 @@ class TurnService:
             self._counters.turns_continued += 1
             proxy_version, waited = await self._generation.enter()
             paused_s += waited
+            start = None if routed_from is None else next_start(routed_from, len(prompt.expanded), segments)
             try:
                 last = await self._upstream.generate(
-                    request[0], request[1], session.session_id, f"{rid}-{attempt}", prompt.digests
+                    request[0], request[1], session.session_id, f"{rid}-{attempt}", prompt.digests, start
                 )
             finally:
                 self._generation.leave()
@@ -649,11 +716,11 @@ class TurnService:
         return continuation_request(prompt.ids, sampling, segments)
 
     async def _call_upstream(
-        self, session: Session, prompt: EnginePrompt, sampling: dict, n: int
+        self, session: Session, prompt: EnginePrompt, sampling: dict, n: int, routed_from: int | None = None
     ) -> tuple[list[MergedTurn], float]:
         # One task for the wait at the gate and the call: a DELETE, the drain or a departed client
         # cancels either, which closes the upstream connection and so aborts the engine's request.
-        task = asyncio.create_task(self._generate(prompt, sampling, session, n))
+        task = asyncio.create_task(self._generate(prompt, sampling, session, n, routed_from))
         try:
             with self._in_flight.generation(session, task) as generation:
                 await asyncio.wait({task})

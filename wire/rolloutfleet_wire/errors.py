@@ -71,6 +71,11 @@ class ErrorCode(StrEnum):
     # gives (the engine runs with another processor configuration), or changed an earlier image's
     # count: the trajectory could not be trained on; nothing was recorded. Not retryable.
     UPSTREAM_IMAGE_MISMATCH = "upstream_image_mismatch"
+    # 502: routing replay is on, and SGLang answered without the routing of every token (an engine not
+    # run with --enable-return-routed-experts, a gateway that drops return_routed_experts), or with
+    # routing that does not fit the model: a trajectory without it could not be replayed; nothing was
+    # recorded. Not retryable.
+    UPSTREAM_ROUTING_MISSING = "upstream_routing_missing"
     # 499 (nginx's "client closed request"): the client went away during its turn, which was cancelled
     # unrecorded; nobody reads this answer, the access log and the counters do.
     CLIENT_CLOSED_REQUEST = "client_closed_request"

@@ -21,6 +21,10 @@ Behaviours and where SGLang has them:
 - Constrained decoding (`grammar.py`, xgrammar as SGLang's default backend): a request with a grammar
   has its next token's logits masked to what the grammar allows, before sampling and for its logprob,
   and ends when the grammar has terminated (`Req.check_finished`).
+- Routing replay (a mixture-of-experts model): each position the model consumes is routed
+  (`model.route`); a request keeps the routing of every position it forwarded, prefill and decode, as
+  SGLang's capturer keeps it per KV slot (`RoutedExpertsCapturer`), recomputed when a retracted
+  request is prefilled again (the same weights: the same rows, as its cached slots would hold).
 - Parallel sampling (`submit_group`, `TokenizerManager._handle_batch_request` with n > 1): the group
   passes the pause gate once; a prefill-only request puts the prompt in the cache ("Cache the common
   prefix for parallel sampling"), then the n samples run as n independent requests, each with its own
@@ -35,10 +39,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .grammar import TokenMask
-from .model import DEFAULT_SAMPLING_SEED, TinyCausalLM, nucleus_sample, token_logprob
+from .model import DEFAULT_SAMPLING_SEED, MoeHidden, TinyCausalLM, nucleus_sample, token_logprob
 from .protocol import Sampling, finish_reason
 from .radix_cache import RadixCache
 
@@ -68,6 +73,12 @@ class Request:
     embed_ids: list[int] | None = None
     # The request's grammar state (grammar.py), when its sampling parameters constrain it.
     grammar: TokenMask | None = None
+    # A mixture of experts: the routing of each position forwarded so far ([rows, layers, top_k] pieces).
+    routing: list[np.ndarray] = field(default_factory=list)
+
+    def routed_rows(self) -> np.ndarray | None:
+        """The routing of every position forwarded (prompt, then output), or None if none was."""
+        return np.concatenate(self.routing) if self.routing else None
 
 
 class Scheduler:
@@ -281,6 +292,8 @@ class Scheduler:
                     ids = torch.tensor(prompt + request.output_ids, dtype=torch.long)
                     logits, request.hidden = model(ids, last_only=True)
                     request.next_logits = logits[-1]
+                    if isinstance(request.hidden, MoeHidden):
+                        request.routing = [request.hidden.routing]
                 assert request.next_logits is not None
                 token, logprob = self._choose(model, request)
                 request.output_ids.append(token)
@@ -293,6 +306,8 @@ class Scheduler:
                 if finish is None:
                     logits, request.hidden = model(torch.tensor([token], dtype=torch.long), request.hidden)
                     request.next_logits = logits[-1]
+                    if isinstance(request.hidden, MoeHidden):
+                        request.routing.append(request.hidden.routing)
                 out.append((request, finish))
         return out
 
