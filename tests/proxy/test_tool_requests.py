@@ -161,8 +161,9 @@ def test_proxy_refuses_to_start_with_such_a_template(test_tokenizer_dir, tmp_pat
     assert "differently depending on the conversation before it" in log
 
 
-# Like gpt-oss's template: a tool result needs the tool call before it, so it cannot follow a reply
-# known only by its text, and tool results cannot be appended turn by turn.
+# A tool result needs the tool call before it (as in gpt-oss's template), so it cannot follow a reply
+# known only by its text; and unlike gpt-oss's, the template does not end a call with a stop token, so
+# the ids of the call's own rendering cannot be told apart from what follows: refused.
 NEEDS_THE_CALL = (
     "{% set ns = namespace(call=none) %}{% for m in messages %}"
     "{% if m['role'] == 'assistant' and m.get('tool_calls') %}"
