@@ -47,10 +47,14 @@ def span_after_reply(
     text = tokenizer.apply_chat_template(marked, tools=tools, tokenize=False, add_generation_prompt=True)
     after = text[text.index(SENTINEL) + len(SENTINEL) :]
     # The template's own rendering of the reply's tool calls comes before its closing text.
-    if family.assistant_end:
-        assert family.assistant_end.startswith(stop_text)
-        tail = after[after.index(family.assistant_end) + len(family.assistant_end) :]
-        span = family.assistant_end[len(stop_text) :] + tail
+    end = family.call_end if reply.get("tool_calls") and family.call_end else family.assistant_end
+    if end:
+        tail = after[after.index(end) + len(end) :]
+        # The model's stop token stands in for the template's closing token (gpt-oss's <|return|> for
+        # the <|end|> the template writes mid-conversation); the rest of the closing follows it.
+        closer = tokenizer.convert_ids_to_tokens(tokenizer.encode(end, add_special_tokens=False)[0])
+        assert stop_text == closer or stop_text in family.stop_tokens
+        span = end[len(closer) :] + tail
     else:  # no closing text: the model's stop token is the next message's opener (GLM-4.5)
         span = after[after.index(stop_text) + len(stop_text) :]
     return tokenizer.encode(span, add_special_tokens=False)
