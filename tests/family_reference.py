@@ -24,13 +24,21 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 def span_after_reply(
-    tokenizer, family, messages: list[dict], reply_index: int, tools, stop_text: str
+    tokenizer,
+    family,
+    messages: list[dict],
+    reply_index: int,
+    tools,
+    stop_text: str,
+    stopped: bool = True,
+    next_reply: int | None = None,
 ) -> list[int]:
     """What the template renders after the model's reply at `reply_index` in the real conversation
-    `messages`, up to the next reply (or the generation prompt), minus the closing the model wrote
-    itself (`stop_text`, its last token)."""
+    `messages`, up to the next reply (`next_reply`, by default the next assistant message) or the
+    generation prompt, minus the closing the model wrote itself (`stop_text`, its last token, unless
+    the reply was cut off without a stop token: not `stopped`)."""
     messages = template_messages(messages)
-    following = next(
+    following = next_reply or next(
         (i for i in range(reply_index + 1, len(messages)) if messages[i]["role"] == "assistant"),
         len(messages),
     )
@@ -53,8 +61,12 @@ def span_after_reply(
         # The model's stop token stands in for the template's closing token (gpt-oss's <|return|> for
         # the <|end|> the template writes mid-conversation); the rest of the closing follows it.
         closer = tokenizer.convert_ids_to_tokens(tokenizer.encode(end, add_special_tokens=False)[0])
-        assert stop_text == closer or stop_text in family.stop_tokens
-        span = end[len(closer) :] + tail
+        if stopped:
+            assert stop_text in (closer, tokenizer.eos_token, *family.stop_tokens)
+            span = end[len(closer) :] + tail
+        else:  # cut off: the whole closing
+            span = end + tail
     else:  # no closing text: the model's stop token is the next message's opener (GLM-4.5)
+        assert stopped
         span = after[after.index(stop_text) + len(stop_text) :]
     return tokenizer.encode(span, add_special_tokens=False)
