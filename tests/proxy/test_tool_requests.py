@@ -129,6 +129,18 @@ def test_template_kwargs_merge_and_reserved_names():
     assert error_code(lambda: template_kwargs({"chat_template_kwargs": [1]}, {})) == "invalid_parameter"
 
 
+def test_reasoning_effort_is_a_template_keyword_below_the_requests_own():
+    defaults = {"reasoning_effort": "medium", "a": 1}
+    assert template_kwargs({"reasoning_effort": "high"}, defaults) == {"reasoning_effort": "high", "a": 1}
+    both = {"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}
+    assert template_kwargs(both, defaults) == {"reasoning_effort": "low", "a": 1}
+    assert template_kwargs({}, {}) == {}
+    for bad in ("extreme", 3, ["low"]):
+        assert (
+            error_code(lambda bad=bad: template_kwargs({"reasoning_effort": bad}, {})) == "invalid_parameter"
+        )
+
+
 # --- start-up refusals ------------------------------------------------------------------------------
 
 
