@@ -780,10 +780,11 @@ def test_gpt_oss_vocabulary_is_harmonys(harmony, load):
     assert harmony.decode([200018]) == "<|reserved_200018|>"
 
 
-def test_gpt_oss_template_renders_as_harmony_but_for_two_things(harmony, load):
+def test_gpt_oss_template_renders_as_harmony_but_for_three_things(harmony, load):
     """The template (what SGLang renders chat requests with) and the harmony library agree on a tool
     conversation, except that the template writes a call's constraint as plain text (`commentary json`,
-    harmony `commentary <|constrain|>json`) and JSON-encodes a tool result's content."""
+    harmony `commentary <|constrain|>json`), JSON-encodes a tool result's content and, without
+    instructions, starts the developer message with a blank line."""
     from openai_harmony import (
         Author,
         Conversation,
@@ -795,18 +796,11 @@ def test_gpt_oss_template_renders_as_harmony_but_for_two_things(harmony, load):
     )
 
     function = WEATHER_TOOL["function"]
+    tools = [
+        ToolDescription.new(function["name"], function["description"], parameters=function["parameters"])
+    ]
     system = SystemContent.new().with_conversation_start_date("2025-08-05")
-    developer = (
-        DeveloperContent.new()
-        .with_instructions("You are a weather bot.")
-        .with_function_tools(
-            [
-                ToolDescription.new(
-                    function["name"], function["description"], parameters=function["parameters"]
-                )
-            ]
-        )
-    )
+    developer = DeveloperContent.new().with_instructions("You are a weather bot.").with_function_tools(tools)
     messages = [
         Message.from_role_and_content(Role.SYSTEM, system),
         Message.from_role_and_content(Role.DEVELOPER, developer),
@@ -832,6 +826,18 @@ def test_gpt_oss_template_renders_as_harmony_but_for_two_things(harmony, load):
     assert rendered == official.replace("commentary <|constrain|>json", "commentary json").replace(
         "<|message|>18°C, sunny<|end|>", '<|message|>"18°C, sunny"<|end|>'
     )
+    tools_only = DeveloperContent.new().with_function_tools(tools)
+    question = Message.from_role_and_content(Role.USER, "Hi")
+    official = harmony.decode(
+        harmony.render_conversation_for_completion(
+            Conversation.from_messages(
+                [messages[0], Message.from_role_and_content(Role.DEVELOPER, tools_only), question]
+            ),
+            Role.ASSISTANT,
+        )
+    )
+    rendered = render(load("gpt_oss"), [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert rendered == official.replace("<|start|>developer<|message|>", "<|start|>developer<|message|>\n\n")
 
 
 @pytest.mark.parametrize(
@@ -882,6 +888,8 @@ def test_gpt_oss_template_writes_a_call_its_own_way_and_needs_it_before_a_result
     assert (
         ask + GPT_OSS_CALL + result + "<|start|>assistant<|channel|>final<|message|>Sunny.<|end|>" in answered
     )
+    with pytest.raises(Exception, match="content and thinking"):  # which would be the analysis?
+        render(tokenizer, [ASK, {**reply, "content": "Checking."}, PARIS_RESULT])
     with pytest.raises(Exception, match="needs an assistant tool call before it"):
         render(tokenizer, [ASK, {"role": "assistant", "content": "Hi"}, PARIS_RESULT])
     # A final answer ends with <|return|> only as the last message of a training sample.
