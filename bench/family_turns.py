@@ -1,8 +1,9 @@
 """Proxy CPU per turn with real tokenizers and chat templates: a 6-turn tool conversation per session.
 
 For each model family of the test kit (real vocabularies: Qwen's 151k ranks, DeepSeek V3's 128k
-tokenizer.json) the proxy runs as its own process, from the proxy-only environment, with the
-family's SGLang tool-call and reasoning parsers, in front of a scripted SGLang stand-in that answers
+tokenizer.json, gpt-oss's 200k o200k_harmony; rebuilt ones on Qwen's or o200k's ranks) the proxy
+runs as its own process, from the proxy-only environment, with the family's SGLang tool-call and
+reasoning parsers, in front of a scripted SGLang stand-in that answers
 in the family's own output format (reasoning, tool calls, stop token). Sessions run the conversation
 of `tests/proxy/test_family_turns.py` (tools in every request, three tool calls answered by three tool
 results), N sessions with bounded concurrency; the proxy process's CPU seconds over the turns it

@@ -203,8 +203,18 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values
+
+
 def template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The proxy's default `chat_template_kwargs` overridden key by key by the request's."""
+    """The proxy's default `chat_template_kwargs` overridden key by key by the request's. OpenAI's
+    `reasoning_effort` goes to the template as a keyword too (gpt-oss's writes it into its system
+    message), below the request's own `chat_template_kwargs`, as SGLang passes it."""
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(
+            ErrorCode.INVALID_PARAMETER, f"reasoning_effort must be one of {list(REASONING_EFFORTS)}"
+        )
     given = body.get("chat_template_kwargs")
     if given is None:
         given = {}
@@ -215,4 +225,4 @@ def template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dic
         raise bad_request(ErrorCode.INVALID_PARAMETER, f"chat_template_kwargs may not set {reserved}")
     if not json_depth_within(dict(given), 16):
         raise bad_request(ErrorCode.INVALID_PARAMETER, "chat_template_kwargs nests too deep")
-    return {**defaults, **given}
+    return {**defaults, **({} if effort is None else {"reasoning_effort": effort}), **given}

@@ -247,7 +247,11 @@ class TurnService:
             else:
                 stop_token = session.turn_stop_tokens[placement.base]
                 ids, text = self._tokenizer.continuation(
-                    new, None if stop_token == NO_STOP_TOKEN else stop_token, tools, request.template_kwargs
+                    new,
+                    None if stop_token == NO_STOP_TOKEN else stop_token,
+                    tools,
+                    request.template_kwargs,
+                    reply=request.messages[placement.matched - 1],  # the base's reply, as the client has it
                 )
         except TemplateError as exc:
             raise TemplateFailed(str(exc)) from None
