@@ -72,6 +72,7 @@ from .image_tokens import collapse, expand, expansion_problem, placeholder_offse
 from .images import ImageLimits
 from .lifecycle import CancelCause, InFlightTurns
 from .openai_format import ChatRequest
+from .reasoning_parsers import ReasoningParser
 from .replies import Reply, ReplyBuilder, prompt_opens_reasoning
 from .routing_rows import next_start, turn_rows
 from .session import RecordedTurn, Session
@@ -475,11 +476,13 @@ class TurnService:
         """The request's sampling parameters, with the grammar of a forced tool call (tool_grammar.py):
         built in a worker thread for many tools, kept for a session's later turns."""
         parser = self._replies.tool_parser
+        # Think-tag reasoning comes before a forced call; harmony's analysis channel is the grammar's own.
+        reasoning = self._replies.reasoning_parser
         build = functools.partial(
             tool_choice_grammar,
             request.tools,
             parser.name if parser else None,
-            self._replies.reasoning_parser,
+            reasoning if isinstance(reasoning, ReasoningParser) else None,
             new.text,
         )
         many = request.tools is not None and len(request.tools.tools) >= OFFLOAD_TOOLS
