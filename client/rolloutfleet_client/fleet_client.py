@@ -56,7 +56,7 @@ from typing import Any
 
 import httpx
 from rolloutfleet_wire.errors import ErrorCode
-from rolloutfleet_wire.export_format import decode_batch
+from rolloutfleet_wire.export_format import DecodedBatch, decode_batch
 
 from .errors import (
     NoAnswerCode,
@@ -90,6 +90,12 @@ DEFAULT_MODEL = "rolloutfleet"
 
 
 IDEMPOTENCY_HEADER = "Idempotency-Key"
+
+
+def _samples_of(content: bytes) -> tuple[DecodedBatch, list[dict[str, Any]]]:
+    """An export's decoded batch and its samples' JSON views, image bytes included."""
+    batch = decode_batch(content)
+    return batch, [batch.trajectory(i, image_bytes=True) for i in range(batch.num_trajectories)]
 
 
 def turn_ids(response: Mapping[str, Any]) -> list[int]:
@@ -386,8 +392,10 @@ class FleetClient:
         Returns its samples (one, the path to the latest turn, by default; per leaf or per turn with
         `samples`, as `TrainerClient.export_from`), each the export's JSON view: `input_ids`,
         `loss_mask`, `logprobs`, `versions`, `reward`, `turn_bounds`, ..., and `sample` (its place
-        in the tree). If the answer is lost, the batch stays held on the proxy until its TTL, and
-        `TrainerClient.pending()` finds it."""
+        in the tree); a vision-language session's `images` (in prompt order, each with its `data`:
+        the bytes the agent sent) and `vision` (the processor configuration). If the answer is
+        lost, the batch stays held on the proxy until its TTL, and `TrainerClient.pending()` finds
+        it."""
         owner, sid = session.owner, session.session_id
         admin = self._auth(self._admin_key)
         body: dict[str, Any] = {"session_ids": [sid], "samples": samples, "drop_replaced": drop_replaced}
@@ -395,8 +403,7 @@ class FleetClient:
         if exported.status_code != 201:
             code, message = proxy_error(exported)
             raise ProxyRequestError(f"{owner}/v1/exports", exported.status_code, code, message, sid)
-        batch = await asyncio.to_thread(decode_batch, exported.content)  # CPU: off the caller's loop
-        taken = [batch.trajectory(i) for i in range(batch.num_trajectories)]
+        batch, taken = await asyncio.to_thread(_samples_of, exported.content)  # CPU: off the caller's loop
         ack_url = f"{owner}/v1/exports/{batch.batch_id}/ack"
         acknowledged = await self._http.request(owner, "POST", ack_url, headers=admin)
         if acknowledged.status_code != 200:

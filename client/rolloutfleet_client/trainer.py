@@ -507,15 +507,10 @@ def image_inputs(decoded: Sequence[DecodedBatch], image_processor: Any = None) -
             for k in span:
                 distinct = int(refs[k])
                 if distinct not in processed:
-                    processed[distinct] = _process_image(processor, batch.image_bytes(k))
+                    processed[distinct] = process_image(processor, batch.image_bytes(k))
                 values, grid = processed[distinct]
                 exported = batch.tensors["image_grid_thw"][k].tolist()
-                if grid.tolist() != exported:
-                    raise ValueError(
-                        f"batch {batch.batch_id}: the image processor makes a {tuple(grid.tolist())} grid of "
-                        f"image {k}; the engine expanded it by {tuple(exported)}: another processor "
-                        "configuration than the engine's"
-                    )
+                check_grid(grid, exported, f"batch {batch.batch_id}: image {k}")
                 pixel_values.append(values)
                 grids.append(grid)
     return {
@@ -525,7 +520,16 @@ def image_inputs(decoded: Sequence[DecodedBatch], image_processor: Any = None) -
     }
 
 
-def _process_image(processor: Any, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+def check_grid(grid: torch.Tensor, expanded_by: Sequence[int], what: str) -> None:
+    """The grid the processor made of an image must be the one the engine expanded it by."""
+    if grid.tolist() != list(expanded_by):
+        raise ValueError(
+            f"{what}: the image processor makes a {tuple(grid.tolist())} grid; the engine expanded it by "
+            f"{tuple(expanded_by)}: another processor configuration than the engine's"
+        )
+
+
+def process_image(processor: Any, data: bytes) -> tuple[torch.Tensor, torch.Tensor]:
     """One image's pixel_values and (t, h, w) grid, as the processor makes them of its RGB pixels."""
     import io
 
@@ -547,7 +551,12 @@ def exported_image_processor(batch: DecodedBatch) -> Any:
     vision = batch.vision
     if not vision or not isinstance(vision.get("processor_config"), dict):
         raise ValueError(f"batch {batch.batch_id} has images but no processor configuration")
-    config = vision["processor_config"]
+    return image_processor_for(vision["processor_config"])
+
+
+def image_processor_for(config: dict[str, Any]) -> Any:
+    """transformers' image processor for a `preprocessor_config.json` document (one per distinct
+    configuration, kept for the process's life)."""
     key = json.dumps(config, sort_keys=True)
     if key not in _PROCESSORS:
         from transformers import AutoImageProcessor

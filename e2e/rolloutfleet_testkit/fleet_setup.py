@@ -154,6 +154,20 @@ def pod_writable(path: str | Path) -> Path:
     return path
 
 
+def pod_readable(path: str | Path) -> Path:
+    """A host directory (e.g. a model directory for a hostPath volume) that pods running as any
+    user can read: its files made world-readable, its directories and every one above it
+    traversable (pytest's and the cache's directories are private to root)."""
+    path = Path(path).resolve()
+    for directory in (path, *path.parents):
+        mode = directory.stat().st_mode
+        if mode & 0o005 != 0o005:
+            directory.chmod(mode | 0o005)
+    for file in path.rglob("*"):
+        file.chmod(file.stat().st_mode | 0o004 | (0o001 if file.is_dir() else 0))
+    return path
+
+
 def oom_kills(pod: dict[str, Any]) -> list[dict[str, Any]]:
     """The OOMKilled terminations a pod's containers report (current or last state)."""
     found = []

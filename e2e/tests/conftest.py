@@ -94,12 +94,9 @@ def kube(cluster: Cluster):
 def pods_read_the_test_tokenizer(test_tokenizer_dir: Path) -> None:
     """Pods mount the test tokenizer from this machine (hostPath) and run as non-root users: its
     directory and the ones above it (pytest's are private to root) must be readable by them."""
-    for path in (test_tokenizer_dir, *test_tokenizer_dir.parents):
-        mode = path.stat().st_mode
-        if mode & 0o005 != 0o005:
-            path.chmod(mode | 0o005)
-    for file in test_tokenizer_dir.rglob("*"):
-        file.chmod(file.stat().st_mode | 0o004 | (0o001 if file.is_dir() else 0))
+    from rolloutfleet_testkit.fleet_setup import pod_readable
+
+    pod_readable(test_tokenizer_dir)
 
 
 @pytest.fixture

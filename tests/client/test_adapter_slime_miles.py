@@ -51,6 +51,8 @@ class SlimeSample:
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
+    multimodal_inputs: dict[str, Any] | None = None  # raw images: {"images": [PIL.Image, ...]}
+    multimodal_train_inputs: dict[str, Any] | None = None  # the processor's pixel_values, image_grid_thw
 
     class Status(enum.Enum):
         PENDING = "pending"

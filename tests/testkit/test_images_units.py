@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 import tarfile
 import time
 from pathlib import Path
@@ -237,6 +238,7 @@ def test_sglang_flags_in_every_spelling_become_the_emulators():
     ]  # fmt: skip
     assert emulator_args([]) == []
     assert emulator_args(["--tp-size", "8", "--host", "::"]) == ["--host", "::"]
+    assert emulator_args(["--max-total-tokens", "700000"]) == ["--cache-capacity-tokens", "700000"]
 
 
 def test_pruning_keeps_the_steps_of_the_current_builds_only(tmp_path, monkeypatch):
@@ -255,6 +257,32 @@ def test_pruning_keeps_the_steps_of_the_current_builds_only(tmp_path, monkeypatc
     assert build_module.prune_layers({current}) == [stale]
     assert current.exists() and other.exists() and not stale.exists()
     assert build_module.prune_layers({current}) == []
+
+
+def test_pruning_a_step_a_killed_build_left_mounted_never_deletes_through_its_mounts(tmp_path, monkeypatch):
+    """A RUN killed with SIGKILL leaves the host's /dev (and /proc, /sys) bound inside its step: the
+    prune unmounts them first. Here a real bind mount of a directory standing for /dev."""
+    from rolloutfleet_testkit.images import build as build_module
+
+    if os.geteuid() != 0:
+        pytest.skip("mounts need root (the image builds run as root)")
+    monkeypatch.setattr(build_module, "images_cache", lambda: tmp_path)
+    host_dev = tmp_path / "host-dev"
+    host_dev.mkdir()
+    (host_dev / "null").write_text("a device")
+    stale = tmp_path / "layers" / "stale"
+    target = stale / "scratch" / "merged with blank" / "dev"
+    target.mkdir(parents=True)
+    subprocess.run(["mount", "--bind", str(host_dev), str(target)], check=True)
+    try:
+        assert build_module.mounts_under(stale) == [target]
+        day_ago = time.time() - build_module.PRUNE_UNUSED_FOR_S - 60
+        os.utime(stale, (day_ago, day_ago))
+        assert build_module.prune_layers(set()) == [stale]
+    finally:
+        subprocess.run(["umount", "-l", str(target)], check=False)
+    assert not stale.exists()
+    assert (host_dev / "null").read_text() == "a device", "deleted through the mount"
 
 
 def test_from_names_a_base_or_an_earlier_stage_and_copy_takes_from():

@@ -125,8 +125,10 @@ class DecodedBatch:
     def num_trajectories(self) -> int:
         return len(self.tensors["rewards"])
 
-    def trajectory(self, i: int) -> dict[str, Any]:
-        """One trajectory as plain Python lists (the JSON view)."""
+    def trajectory(self, i: int, image_bytes: bool = False) -> dict[str, Any]:
+        """One trajectory as plain Python lists (the JSON view). With `image_bytes`, each image also
+        carries its bytes (`data`, as the client sent them: no longer JSON) and the trajectory the
+        batch's `vision` (what a trainer rebuilds the model's image inputs with)."""
         t = self.tensors
         start, end = int(t["cu_seqlens"][i]), int(t["cu_seqlens"][i + 1])
         first_turn, last_turn = int(t["cu_turns"][i]), int(t["cu_turns"][i + 1])
@@ -150,17 +152,21 @@ class DecodedBatch:
             "turn_finishes": [
                 FINISH_NAMES.get(int(x), "unknown") for x in t["turn_finishes"][first_turn:last_turn]
             ],
-            # The bytes are in the safetensors batch only (`image_bytes`).
-            "images": [
-                {
-                    "offset": int(t["image_spans"][k, 0]),
-                    "tokens": int(t["image_spans"][k, 1]),
-                    "grid_thw": t["image_grid_thw"][k].tolist(),
-                    "sha256": t["image_digests"][t["image_refs"][k]].tobytes().hex(),
-                }
-                for k in self.image_range(i)
-            ],
+            "images": [self._image(k, image_bytes) for k in self.image_range(i)],
+            **({"vision": self.vision} if image_bytes else {}),
         }
+
+    def _image(self, k: int, with_bytes: bool) -> dict[str, Any]:
+        t = self.tensors
+        image = {
+            "offset": int(t["image_spans"][k, 0]),
+            "tokens": int(t["image_spans"][k, 1]),
+            "grid_thw": t["image_grid_thw"][k].tolist(),
+            "sha256": t["image_digests"][t["image_refs"][k]].tobytes().hex(),
+        }
+        if with_bytes:
+            image["data"] = self.image_bytes(k)
+        return image
 
     @property
     def vision(self) -> dict[str, Any] | None:

@@ -6,6 +6,22 @@ API key, as frameworks hand their agents) and take the finished session's trajec
 framework's module turns an `Episode` into that framework's own structure.
 """
 
-from .episode import AgentRun, Episode, FleetConfig, episode_from_sample, fleet_for_this_loop, run_episode
+from .episode import (
+    AgentRun,
+    Episode,
+    EpisodeImage,
+    FleetConfig,
+    episode_from_sample,
+    fleet_for_this_loop,
+    run_episode,
+)
 
-__all__ = ["AgentRun", "Episode", "FleetConfig", "episode_from_sample", "fleet_for_this_loop", "run_episode"]
+__all__ = [
+    "AgentRun",
+    "Episode",
+    "EpisodeImage",
+    "FleetConfig",
+    "episode_from_sample",
+    "fleet_for_this_loop",
+    "run_episode",
+]

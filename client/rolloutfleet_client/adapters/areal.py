@@ -21,6 +21,7 @@ versions a proxy records are then its own model version, which the trainer sets 
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,10 +32,12 @@ from areal.api.workflow_api import RolloutWorkflow
 from .episode import AgentRun, Episode, FleetConfig, fleet_for_this_loop, run_episode
 
 
-def trajectory(episode: Episode) -> dict[str, torch.Tensor]:
+def trajectory(episode: Episode, image_inputs: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """`episode` as AReaL's trajectory: `[1, T]` tensors of the whole sequence (prompt and response),
     with the dtypes AReaL's workflows use; prompt tokens are masked out with logprob 0.0 and version
-    -1, as AReaL's own workflows mark them."""
+    -1, as AReaL's own workflows mark them. A vision-language episode's `image_inputs`
+    (`Episode.image_inputs()`) go in as AReaL's vision workflow puts its own: `multi_modal_input`
+    (`pixel_values`, `image_grid_thw`) and `mm_token_type_ids` (1 on image tokens)."""
     prompt = len(episode.prompt_ids)
     sequence = {
         "input_ids": torch.tensor(episode.tokens, dtype=torch.int32),
@@ -44,7 +47,12 @@ def trajectory(episode: Episode) -> dict[str, torch.Tensor]:
         "attention_mask": torch.ones(prompt + len(episode.response_ids), dtype=torch.bool),
         "rewards": torch.tensor(episode.reward or 0.0, dtype=torch.float32),
     }
-    return {name: tensor.unsqueeze(0) for name, tensor in sequence.items()}
+    if image_inputs:
+        sequence["mm_token_type_ids"] = torch.tensor(episode.image_token_mask(), dtype=torch.long)
+    out: dict[str, Any] = {name: tensor.unsqueeze(0) for name, tensor in sequence.items()}
+    if image_inputs:
+        out["multi_modal_input"] = [dict(image_inputs)]
+    return out
 
 
 class FleetWorkflow(RolloutWorkflow):  # type: ignore[misc]
@@ -60,7 +68,7 @@ class FleetWorkflow(RolloutWorkflow):  # type: ignore[misc]
         self.fleet_config = fleet
         self.http_client = http_client
 
-    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, torch.Tensor]:
+    async def arun_episode(self, engine: Any, data: dict[str, Any]) -> dict[str, Any]:
         async def agent(run: AgentRun) -> float | None:
             reward = await self.agent.run(
                 data, base_url=run.base_url, api_key=run.api_key, http_client=self.http_client
@@ -70,7 +78,8 @@ class FleetWorkflow(RolloutWorkflow):  # type: ignore[misc]
             return None if reward is None else float(reward)
 
         episode = await run_episode(fleet_for_this_loop(self.fleet_config), agent, session_metadata(data))
-        return trajectory(episode)
+        image_inputs = await asyncio.to_thread(episode.image_inputs) if episode.images else None
+        return trajectory(episode, image_inputs)
 
 
 def session_metadata(data: Mapping[str, Any]) -> dict[str, Any]:

@@ -43,6 +43,19 @@ class AgentRun:
 
 
 @dataclass(frozen=True)
+class EpisodeImage:
+    """One image of a vision-language episode, in prompt order: the bytes the agent sent, their
+    sha256, the (t, h, w) grid the engine's processor made, and its run of image tokens in
+    `Episode.tokens` (`offset`, `tokens` long)."""
+
+    data: bytes = field(repr=False)
+    sha256: str
+    grid_thw: tuple[int, int, int]
+    offset: int
+    tokens: int
+
+
+@dataclass(frozen=True)
 class Episode:
     """A finished session's latest path as a framework wants it. `prompt_ids` are the tokens before
     the first generated one; `response_ids` everything after it: generated tokens and the tool
@@ -59,6 +72,9 @@ class Episode:
     num_turns: int
     finishes: list[str]  # per turn: stop, length, abort or unknown
     metadata: dict[str, Any]
+    images: tuple[EpisodeImage, ...] = ()
+    # A vision-language model's `preprocessor_config.json`, as the engine's model directory has it.
+    processor_config: dict[str, Any] | None = None
 
     @property
     def truncated(self) -> bool:
@@ -72,6 +88,49 @@ class Episode:
     @property
     def tokens(self) -> list[int]:
         return self.prompt_ids + self.response_ids
+
+    def pil_images(self) -> list[Any]:
+        """The images as RGB Pillow images, in prompt order (what frameworks keep as raw images).
+        Blocking CPU work: call it off an event loop."""
+        import io
+
+        from PIL import Image
+
+        decoded = []
+        for image in self.images:
+            with Image.open(io.BytesIO(image.data)) as opened:
+                decoded.append(opened.convert("RGB"))
+        return decoded
+
+    def image_inputs(self, image_processor: Any = None) -> dict[str, Any]:
+        """The model's image inputs as the trainer's processor makes them: `pixel_values` and
+        `image_grid_thw` torch tensors (see `to_torch`), each image's grid checked against the one
+        the engine expanded it by; {} without images. Needs transformers, Pillow and torch (the
+        trainer extra); blocking CPU work: call it off an event loop."""
+        if not self.images:
+            return {}
+        import torch
+
+        from ..trainer import check_grid, image_processor_for, process_image
+
+        if image_processor is None:
+            if self.processor_config is None:
+                raise ValueError(f"session {self.session_id} has images but no processor configuration")
+            image_processor = image_processor_for(self.processor_config)
+        values, grids = [], []
+        for k, image in enumerate(self.images):
+            pixels, grid = process_image(image_processor, image.data)
+            check_grid(grid, image.grid_thw, f"session {self.session_id}: image {k}")
+            values.append(pixels)
+            grids.append(grid)
+        return {"pixel_values": torch.cat(values), "image_grid_thw": torch.stack(grids)}
+
+    def image_token_mask(self) -> list[int]:
+        """1 on the image tokens of `tokens`, 0 elsewhere (AReaL's `mm_token_type_ids`)."""
+        mask = [0] * len(self.tokens)
+        for image in self.images:
+            mask[image.offset : image.offset + image.tokens] = [1] * image.tokens
+        return mask
 
     @property
     def weight_versions(self) -> list[int]:
@@ -97,7 +156,16 @@ def episode_from_sample(sample: Mapping[str, Any]) -> Episode:
         num_turns=len(bounds),
         finishes=list(sample.get("turn_finishes") or ["unknown"] * len(bounds)),
         metadata=dict(sample.get("metadata") or {}),
+        images=tuple(_episode_image(image) for image in sample.get("images") or ()),
+        processor_config=(sample.get("vision") or {}).get("processor_config"),
     )
+
+
+def _episode_image(image: Mapping[str, Any]) -> EpisodeImage:
+    if "data" not in image:
+        raise ValueError("an image of the sample has no bytes: take samples with FleetClient.take")
+    t, h, w = (int(x) for x in image["grid_thw"])
+    return EpisodeImage(image["data"], image["sha256"], (t, h, w), int(image["offset"]), int(image["tokens"]))
 
 
 Agent = Callable[[AgentRun], Awaitable[float | None]]

@@ -17,7 +17,10 @@ response), `response_length`, `loss_mask` (1 on generated tokens, 0 on tool resu
 between them), `rollout_log_probs` (0.0 off the mask), `weight_versions` (each engine version the
 response was generated under, as strings, as SGLang reports them), `response` (decoded with the
 tokenizer given, else left as it was), `reward`, `status` (TRUNCATED when the last turn hit its
-max tokens, ABORTED when it ended aborted, else COMPLETED), and `session_id`.
+max tokens, ABORTED when it ended aborted, else COMPLETED), and `session_id`; for a vision-language
+model's session also `multimodal_inputs` (the images) and `multimodal_train_inputs` (their
+`pixel_values` and `image_grid_thw`, made by transformers' processor from the model directory's
+`preprocessor_config.json`, each grid checked against the engine's).
 
 Neither slime nor miles is on PyPI: this module imports nothing of theirs at import time (miles'
 `GenerateFnOutput` is imported when `miles_generate`'s function runs), and it is tested against
@@ -99,6 +102,20 @@ def fill_sample(sample: Any, episode: Episode, outcome: Any, response: str | Non
     return sample
 
 
+def multimodal_fields(episode: Episode) -> dict[str, Any]:
+    """A vision-language episode's slime/miles multimodal fields, as slime's own VLM rollouts fill
+    them: `multimodal_inputs` (the raw images, RGB Pillow images in prompt order) and
+    `multimodal_train_inputs` (the processor's `pixel_values` and `image_grid_thw`, what the
+    trainer feeds the model; slime drops a sample's images from training without them). {} without
+    images. Blocking CPU work (decoding, the processor): run off the loop."""
+    if not episode.images:
+        return {}
+    return {
+        "multimodal_inputs": {"images": episode.pil_images()},
+        "multimodal_train_inputs": episode.image_inputs(),
+    }
+
+
 async def _run(
     agent: AgentFunction,
     sample: Any,
@@ -127,6 +144,8 @@ async def _run(
     response = None
     if tokenizer is not None:  # CPU work: off the framework's loop
         response = await asyncio.to_thread(tokenizer.decode, episode.response_ids)
+    for name, value in (await asyncio.to_thread(multimodal_fields, episode)).items():
+        setattr(sample, name, value)
     return fill_sample(sample, episode, outcome, response)
 
 

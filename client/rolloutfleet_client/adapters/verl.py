@@ -34,6 +34,7 @@ kept, those after the update scored by the new weights. verl sends SGLang no wei
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -67,10 +68,14 @@ def session_metadata(row: Mapping[str, Any]) -> dict[str, Any]:
     return metadata
 
 
-def agent_loop_output(episode: Episode, response_length: int, prompt_length: int) -> AgentLoopOutput:
+def agent_loop_output(
+    episode: Episode, response_length: int, prompt_length: int, images: list[Any] | None = None
+) -> AgentLoopOutput:
     """`episode` as verl's `AgentLoopOutput`, the response cut at `response_length` as verl's own loops
     cut theirs (tool_agent_loop, single_turn_agent_loop). A prompt longer than `prompt_length` is an
-    error: verl's loops left-truncate theirs before generating, but this one was generated from."""
+    error: verl's loops left-truncate theirs before generating, but this one was generated from.
+    `images` (the episode's, decoded: `Episode.pil_images`) become `multi_modal_data["images"]`, from
+    which verl's processor makes `pixel_values` and the M-RoPE positions as for its own loops."""
     if len(episode.prompt_ids) > prompt_length:
         raise ValueError(
             f"session {episode.session_id}: its prompt of {len(episode.prompt_ids)} tokens exceeds "
@@ -82,6 +87,7 @@ def agent_loop_output(episode: Episode, response_length: int, prompt_length: int
         response_mask=episode.response_mask[:response_length],
         response_logprobs=episode.response_logprobs[:response_length],
         reward_score=episode.reward,
+        multi_modal_data={"images": images} if images else None,
         # Counted as verl's tool loop counts: the first user message, each generation, and each
         # round of tool results or user messages between two generations.
         num_turns=2 * episode.num_turns,
@@ -128,4 +134,5 @@ class FleetAgentLoop(AgentLoopBase):  # type: ignore[misc]
         fleet = fleet_for_this_loop(self.fleet_config)
         episode = await run_episode(fleet, agent, session_metadata(kwargs))
         rollout = self.rollout_config
-        return agent_loop_output(episode, int(rollout.response_length), int(rollout.prompt_length))
+        images = await asyncio.to_thread(episode.pil_images) if episode.images else None
+        return agent_loop_output(episode, int(rollout.response_length), int(rollout.prompt_length), images)

@@ -19,6 +19,7 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -431,6 +432,28 @@ def prune_layers(keep: set[Path], unused_for_s: float = PRUNE_UNUSED_FOR_S) -> l
     stale_before = time.time() - unused_for_s
     for step in sorted(steps_dir.iterdir()) if steps_dir.exists() else ():
         if step.is_dir() and step not in keep and step.stat().st_mtime < stale_before:
+            # A build killed mid-RUN (SIGKILL: no `finally`) leaves its overlay with the host's /proc,
+            # /sys and /dev mounted inside: deleting through them would delete the host's devices.
+            for mount_point in mounts_under(step):
+                subprocess.run(["umount", "-l", str(mount_point)], check=False)
+            if mounts_under(step):
+                continue
             shutil.rmtree(step, ignore_errors=True)
             removed.append(step)
     return removed
+
+
+def mounts_under(path: Path, mountinfo: str | None = None) -> list[Path]:
+    """The mount points inside `path`, deepest first (from /proc/self/mountinfo, or `mountinfo`)."""
+    if mountinfo is None:
+        mountinfo = Path("/proc/self/mountinfo").read_text()
+    inside = []
+    for line in mountinfo.splitlines():
+        fields = line.split()
+        if len(fields) < 5:
+            continue
+        # The kernel escapes blanks, tabs, newlines and backslashes in octal (\040 for a blank).
+        point = Path(re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4]))
+        if point.is_relative_to(path) and point != path:
+            inside.append(point)
+    return sorted(inside, key=lambda p: len(p.parts), reverse=True)

@@ -5,6 +5,7 @@ run it unchanged in the test kit's image (images/testkit, whose `sglang` shim ca
   --model-path/--model P → --tokenizer-path P (an explicit --tokenizer-path wins)
   --host, --port, --log-level, --context-length, --weight-version kept;
   --served-model-name N → --model-name N;  --random-seed S → --seed S;
+  --max-total-tokens N → --cache-capacity-tokens N (the prefix cache's capacity);
   --token-delay-s kept (the emulator's own: time per decode step, for tests that need generations
   in flight); every other flag is dropped with its value (--tp-size, --mem-fraction-static, …).
   A flag takes the next word as its value unless that word starts with `--`.
@@ -26,6 +27,8 @@ ENGINE_FLAGS = {
     "--context-length": "--context-length",
     "--weight-version": "--weight-version",
     "--token-delay-s": "--token-delay-s",
+    # SGLang's KV pool size in tokens, which its radix cache lives in: the emulator's cache capacity.
+    "--max-total-tokens": "--cache-capacity-tokens",
 }
 
 
