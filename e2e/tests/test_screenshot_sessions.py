@@ -1,4 +1,4 @@
-"""Computer-use rollouts on the real node: 16 sessions of 30 turns, each turn a new 1280x720
+"""Computer-use rollouts on the real node: 16 sessions of 10 turns (30 when asked), each turn a new 1280x720
 screenshot with every earlier one of the session sent again (as browser and computer-use agents
 send their history), through the GPU sample fleet whose proxies run under a cgroup memory limit.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import json
+import os
 import shutil
 import threading
 import time
@@ -37,15 +38,17 @@ pytestmark = pytest.mark.e2e
 
 NAMESPACE = "screens-e2e"
 FLEET = "screens"
-PROXIES, SESSIONS, TURNS = 2, 16, 30
+# The issue's run is 16 sessions of 30 turns (`ROLLOUTFLEET_SCREENSHOT_TURNS=30`): about 10 minutes
+# on this 2-core machine, too long for every CI run; CI runs the same sessions 10 turns deep.
+PROXIES, SESSIONS, TURNS = 2, 16, int(os.environ.get("ROLLOUTFLEET_SCREENSHOT_TURNS", "10"))
 WIDTH, HEIGHT = 1280, 720
 MIB = 2**20
 # docs/deploying.md's sizing for a proxy of screenshot sessions: its resting RSS (about 170 MiB with
 # a VL model directory), the sessions' tokens (8 x 37k tokens x 11 B: 3 MiB), ~100 MiB of headroom,
 # and twice max_request_bytes_in_flight (64 MiB) for the requests in flight; rounded up.
 LIMIT_MIB = 448
-CONTEXT_TOKENS = 40960  # 30 screenshots of 1,196 tokens and the text around them
-TURN_DEADLINE_S = 600  # per session: bounds the load
+CONTEXT_TOKENS = 40960  # up to 30 screenshots of 1,196 tokens and the text around them
+TURN_DEADLINE_S = 1200  # for all sessions: bounds the load
 RETRIES = 60  # 503s with Retry-After a turn may meet (requests in flight over the proxy's bound)
 
 
@@ -152,6 +155,7 @@ class RssSampler:
         self._thread.join()
 
 
+@pytest.mark.timeout(1500)
 def test_screenshot_sessions_stay_within_the_proxies_memory_limit_and_every_turn_is_recorded(
     cluster, operator_namespace, model_dir, tmp_path
 ):
@@ -200,8 +204,18 @@ def test_screenshot_sessions_stay_within_the_proxies_memory_limit_and_every_turn
         RssSampler(urls) as rss,
         concurrent.futures.ThreadPoolExecutor(SESSIONS) as pool,
     ):
-        for done in concurrent.futures.as_completed([pool.submit(s.run, deadline) for s in sessions]):
-            done.result()
+        running = [pool.submit(s.run, deadline) for s in sessions]
+        while not all(future.done() for future in running):  # progress, for whoever watches the run
+            concurrent.futures.wait(running, timeout=30, return_when=concurrent.futures.FIRST_EXCEPTION)
+            delivered = sum(len(s.delivered) for s in sessions)
+            print(
+                f"[screenshots] {time.monotonic() - started:.0f} s: {delivered} of {SESSIONS * TURNS} turns",
+                flush=True,
+            )
+            if any(f.done() and f.exception() for f in running):
+                break
+        for future in running:
+            future.result()
     took = time.monotonic() - started
 
     # Every delivered turn is in the record, with the logprobs the client got, and its prompt holds
