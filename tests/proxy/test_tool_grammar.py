@@ -80,7 +80,8 @@ SCHEMA = {
         ('{"name": "ab", "count": -3, "ratio": 1.5e-3, "flags": [false, true], "mode": "fast"}', True),
         ('{"name": "ab", "flags": [true], "nested": {"k": 4}, "free": {"any": [1, "x", null]}}', True),
         ('{"name": "ab", "ratio": null, "flags": [true], "nested": {}}', True),
-        ('{"name": "\\u00e9\\n", "flags": [true]}', True),  # an escape is one character
+        ('{"name": "ab", "flags": [true], "nested": {"k": "\\u00e9\\n\\""}}', True),  # escapes
+        ('{"name": "\\n", "flags": [true]}', False),  # a bounded string holds plain characters only
         ('{"flags": [true]}', False),  # a required property missing
         ('{"name": "", "flags": [true]}', False),  # minLength
         ('{"name": "abcde", "flags": [true]}', False),  # maxLength
