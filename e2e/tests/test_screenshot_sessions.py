@@ -32,6 +32,7 @@ from rolloutfleet_testkit import fleet_setup
 from rolloutfleet_testkit.model_families import VL_FAMILIES
 from rolloutfleet_testkit.model_families.vision import IMAGE_PAD, VISION_TOKEN_IDS
 from rolloutfleet_testkit.screenshots import screenshot
+from rolloutfleet_testkit.session_ledger import SessionLedger
 from rolloutfleet_testkit.waiting import wait_for
 
 pytestmark = pytest.mark.e2e
@@ -78,14 +79,10 @@ def tokens_per_screenshot(model_dir) -> int:
 class Session:
     """One computer-use rollout: its screenshots (a new one a turn) and what the client was given."""
 
-    def __init__(self, index: int, proxy: str, url: str, admin: dict[str, str]):
-        created = httpx.post(f"{url}/v1/sessions", headers=admin, json={}, timeout=30)
-        assert created.status_code == 201, created.text
-        body = created.json()
+    def __init__(self, index: int, proxy: str, url: str, ledger: SessionLedger):
         self.index, self.proxy, self.url = index, proxy, url
-        self.session_id, self.auth = body["session_id"], {"Authorization": f"Bearer {body['session_key']}"}
-        self.messages: list[dict] = []
-        self.delivered: list[list[float]] = []  # each turn's output logprobs, as the client got them
+        # Its messages and each delivered turn's output logprobs, which the ledger checks at the end.
+        self.record = ledger.create(proxy, url)
         self.image_bytes = 0
         self.retried = 0
 
@@ -95,7 +92,7 @@ class Session:
                 shot = screenshot(WIDTH, HEIGHT, seed=1000 * self.index + turn)
                 self.image_bytes += len(shot)
                 uri = "data:image/png;base64," + base64.b64encode(shot).decode()
-                self.messages.append(
+                self.record.messages.append(
                     {
                         "role": "user",
                         "content": [
@@ -105,19 +102,21 @@ class Session:
                     }
                 )
                 choice = self._turn(http, deadline)
-                self.messages.append({"role": "assistant", "content": choice["message"]["content"]})
-                self.delivered.append([entry["logprob"] for entry in choice["logprobs"]["content"]])
+                self.record.messages.append({"role": "assistant", "content": choice["message"]["content"]})
+                self.record.delivered.append([entry["logprob"] for entry in choice["logprobs"]["content"]])
 
     def _turn(self, http: httpx.Client, deadline: float) -> dict:
-        body = json.dumps({"messages": self.messages, "max_tokens": 8, "temperature": 0, "logprobs": True})
+        body = json.dumps(
+            {"messages": self.record.messages, "max_tokens": 8, "temperature": 0, "logprobs": True}
+        )
         for _ in range(RETRIES):
             assert time.monotonic() < deadline, (
-                f"session {self.index}: out of time at turn {len(self.delivered)}"
+                f"session {self.index}: out of time at turn {len(self.record.delivered)}"
             )
             reply = http.post(
-                f"{self.url}/v1/sessions/{self.session_id}/chat/completions",
+                f"{self.url}/v1/sessions/{self.record.session_id}/chat/completions",
                 content=body,
-                headers={**self.auth, "content-type": "application/json"},
+                headers={**self.record.auth, "content-type": "application/json"},
             )
             if reply.status_code == 503 and "retry-after" in reply.headers:  # held back, not refused
                 self.retried += 1
@@ -192,10 +191,10 @@ def test_screenshot_sessions_stay_within_the_proxies_memory_limit_and_every_turn
     secret = json.loads(
         cluster.kubectl("get", "secret", f"{FLEET}-admin-key", "-n", NAMESPACE, "-o", "json").stdout
     )
-    admin = {"Authorization": f"Bearer {fleet_setup.admin_key(secret)}"}
+    ledger = SessionLedger(fleet_setup.admin_key(secret))
     resting = {name: httpx.get(f"{url}/stats", timeout=10).json()["rss_bytes"] for name, url in urls.items()}
     names = sorted(urls)
-    sessions = [Session(i, names[i % PROXIES], urls[names[i % PROXIES]], admin) for i in range(SESSIONS)]
+    sessions = [Session(i, names[i % PROXIES], urls[names[i % PROXIES]], ledger) for i in range(SESSIONS)]
 
     started = time.monotonic()
     deadline = started + TURN_DEADLINE_S
@@ -207,7 +206,7 @@ def test_screenshot_sessions_stay_within_the_proxies_memory_limit_and_every_turn
         running = [pool.submit(s.run, deadline) for s in sessions]
         while not all(future.done() for future in running):  # progress, for whoever watches the run
             concurrent.futures.wait(running, timeout=30, return_when=concurrent.futures.FIRST_EXCEPTION)
-            delivered = sum(len(s.delivered) for s in sessions)
+            delivered = ledger.delivered_turns()
             print(
                 f"[screenshots] {time.monotonic() - started:.0f} s: {delivered} of {SESSIONS * TURNS} turns",
                 flush=True,
@@ -220,20 +219,21 @@ def test_screenshot_sessions_stay_within_the_proxies_memory_limit_and_every_turn
 
     # Every delivered turn is in the record, with the logprobs the client got, and its prompt holds
     # every screenshot so far, each expanded to what the engine's processor makes of it.
+    losses = ledger.check(urls)
+    assert losses.checked_turns == SESSIONS * TURNS == ledger.delivered_turns()
+    assert losses.counts() == (0, 0), losses
     per_image = tokens_per_screenshot(model_dir)
     pad = VISION_TOKEN_IDS[IMAGE_PAD]
     for session in sessions:
         record = httpx.get(
-            f"{session.url}/v1/sessions/{session.session_id}",
+            f"{session.url}/v1/sessions/{session.record.session_id}",
             params={"tokens": "true"},
-            headers=session.auth,
+            headers=session.record.auth,
             timeout=60,
         )
         assert record.status_code == 200, record.text
         trajectory = record.json()["trajectory"]
-        assert len(trajectory["turns"]) == TURNS == len(session.delivered)
-        for (_, output_start, end), logprobs in zip(trajectory["turns"], session.delivered, strict=True):
-            assert trajectory["logprobs"][output_start:end] == logprobs
+        assert len(trajectory["turns"]) == TURNS
         assert trajectory["input_ids"].count(pad) == TURNS * per_image
     stats = {name: httpx.get(f"{url}/stats", timeout=10).json() for name, url in urls.items()}
     final = proxy_pods(cluster, NAMESPACE, FLEET)

@@ -93,12 +93,18 @@ SAMPLING = {"max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0, "skip_special
 QUESTION = [{"role": "user", "content": "Add 2 and 3, then explain."}]
 
 
+# Per decode step. The weight-update test pauses the engines 0.3 s after the turn is in flight: its
+# 40 tokens then take 3.2 s, so the pause lands mid-turn even when a loaded machine delays it by
+# seconds (at 20 ms a step it once came after the turn had ended).
+TOKEN_DELAY_S = {"test_a_weight_update_the_trainer_drives_at_the_engines_mid_turn_is_ridden_through": 0.08}
+
+
 @pytest.fixture
-def stand(test_tokenizer_dir, tmp_path):
+def stand(test_tokenizer_dir, tmp_path, request):
     """(proxy, engine URLs, fleet config): the proxy writes exports to its dump volume."""
+    delay = TOKEN_DELAY_S.get(request.node.originalname, 0.02)
     with (
-        # 20 ms per decode step: a trainer's pause lands while a turn generates.
-        routed_emulators(test_tokenizer_dir, tmp_path, token_delay_s=0.02) as (router_url, engines),
+        routed_emulators(test_tokenizer_dir, tmp_path, token_delay_s=delay) as (router_url, engines),
         running_proxy(router_url, test_tokenizer_dir, tmp_path / "dumps") as proxy,
     ):
         yield proxy, engines, FleetConfig(ADMIN_KEY, [proxy.url])
@@ -212,7 +218,7 @@ def test_a_weight_update_the_trainer_drives_at_the_engines_mid_turn_is_ridden_th
         while proxy.stats()["inflight_turns"] < 1 or len(replies) < 1:  # the second turn generates
             assert time.monotonic() < deadline and not episode.done()
             await asyncio.sleep(0.02)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.3)  # a few tokens under the old weights
         async with httpx.AsyncClient(timeout=30) as http:
             for engine in engines:
                 assert (
