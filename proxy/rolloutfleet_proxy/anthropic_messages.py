@@ -275,7 +275,7 @@ def _max_tokens(body: Mapping[str, Any]) -> int:
 
 
 class MessagesDialect:
-    path = "/v1/messages"
+    paths: tuple[str, ...] = ("/v1/messages",)
 
     def parse(self, body: Any, context: RequestContext) -> ParsedTurn:
         if not isinstance(body, dict):

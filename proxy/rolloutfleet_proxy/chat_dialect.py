@@ -17,7 +17,7 @@ from .openai_format import (
 
 
 class ChatDialect:
-    path = "/chat/completions"
+    paths: tuple[str, ...] = ("/chat/completions",)
 
     def parse(self, body: Any, context: RequestContext) -> ParsedTurn:
         return ParsedTurn(

@@ -60,7 +60,7 @@ class Answered:
 
 
 class Dialect(Protocol):
-    path: str  # under a session's base URL (and its capability URL)
+    paths: tuple[str, ...]  # under a session's base URL (and its capability URL); the first is its name
 
     def parse(self, body: Any, context: RequestContext) -> ParsedTurn:
         """The internal turn of a request body; a `ProxyError` (400) for anything malformed."""

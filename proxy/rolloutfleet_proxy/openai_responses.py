@@ -266,7 +266,9 @@ def _check_options(body: Mapping[str, Any]) -> None:
 
 
 class ResponsesDialect:
-    path = "/responses"
+    # The openai SDK posts to `<base URL>/responses`, and a session's base URL ends in its id; a client
+    # configured with the API root as in OpenAI's docs posts to `<base URL>/v1/responses`: both work.
+    paths: tuple[str, ...] = ("/responses", "/v1/responses")
 
     def parse(self, body: Any, context: RequestContext) -> ParsedTurn:
         if not isinstance(body, dict):

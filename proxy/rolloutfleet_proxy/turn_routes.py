@@ -27,7 +27,7 @@ from .settings import ProxySettings
 SESSION_PATH = "/v1/sessions/{session_id}"
 # The same routes under a session's capability URL (`ids.capability_path`): the path's secret opens them.
 CAPABILITY_PATH = "/v1/sessions/{session_id}/cap/{capability}"
-CHAT_PATH = SESSION_PATH + ChatDialect.path
+CHAT_PATH = SESSION_PATH + ChatDialect.paths[0]
 DIALECTS: tuple[Dialect, ...] = (ChatDialect(), MessagesDialect(), ResponsesDialect())
 # On an answer sent again from the record (a retried request): the engine was not called.
 REPLAYED_HEADER = "Idempotent-Replayed"
@@ -89,6 +89,7 @@ def turn_routes(runtime: ProxyRuntime, settings: ProxySettings, auth: RouteAuth)
     routes = []
     for dialect in DIALECTS:
         handler = turn_handler(dialect)
-        routes.append(Route(SESSION_PATH + dialect.path, handler, methods=["POST"]))
-        routes.append(Route(CAPABILITY_PATH + dialect.path, handler, methods=["POST"]))
+        for path in dialect.paths:
+            routes.append(Route(SESSION_PATH + path, handler, methods=["POST"]))
+            routes.append(Route(CAPABILITY_PATH + path, handler, methods=["POST"]))
     return routes

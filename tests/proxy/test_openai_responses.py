@@ -145,6 +145,20 @@ def test_previous_response_id_continues_the_named_turn_and_a_bad_one_changes_not
     # Both continue turn 0: two branches, each turn's prompt is turn 0's path plus its own new input.
     assert (second.id, third.id) == (f"resp_{sid}_1", f"resp_{sid}_2")
     assert summary["num_turns"] == 3 and summary["num_branches"] == 2
+    # The alias under the API root's path is the same route: the second request again is a replay.
+    alias = httpx.post(
+        f"{proxy.url}/v1/sessions/{sid}/v1/responses",
+        headers=bearer(key),
+        json={
+            "model": "m",
+            "previous_response_id": first.id,
+            "input": "And then?",
+            "max_output_tokens": 4,
+            "tools": [WEATHER],
+        },
+    )
+    assert alias.status_code == 200 and alias.headers["Idempotent-Replayed"] == "true"
+    assert alias.json()["id"] == second.id
     # The same conversation sent whole (as its chat equivalent) is the recorded one: a replay.
     reply = first.output[-1]
     assert reply.type == "message"  # the emulator's model writes no tool call
