@@ -45,10 +45,10 @@ def tokenizer_dir() -> Path:
 
 @contextlib.contextmanager
 def upstream_stub(
-    work: Path, latency_s: float, output_tokens: int, host: str = "127.0.0.1"
+    work: Path, latency_s: float, output_tokens: int, host: str = "127.0.0.1", routing: str | None = None
 ) -> Iterator[tuple[str, psutil.Process]]:
     """The fixed-latency SGLang stand-in, in its own process, on `host` (the node's bridge address
-    when pods must reach it)."""
+    when pods must reach it); `routing` ("LAYERSxTOP_KxEXPERTS"): it answers routed experts."""
     port = free_port(host)
     args = python_module(
         "rolloutfleet_testkit.upstream_stub",
@@ -60,6 +60,7 @@ def upstream_stub(
         str(latency_s),
         "--output-tokens",
         str(output_tokens),
+        *(["--routed-experts", routing] if routing else []),
     )
     with ServerProcess(args, work / f"stub-{port}.log") as stub:
         stub.wait_ready(f"http://{host}:{port}/health", 60)
@@ -236,7 +237,10 @@ class ChatSessions:
         self.max_tokens = max_tokens
         self.temperature = temperature
         self._gate = asyncio.Semaphore(concurrency)
-        self.client = httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=concurrency + 8))
+        # Idle connections are dropped before uvicorn's 5 s keep-alive closes them: otherwise a turn sent
+        # on a connection the server is closing fails with ReadError (seen when turns slow down).
+        limits = httpx.Limits(max_connections=concurrency + 8, keepalive_expiry=2.0)
+        self.client = httpx.AsyncClient(timeout=600, limits=limits)
         self.sessions: list[dict] = []
         self.turns_done = 0
 

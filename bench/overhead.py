@@ -17,6 +17,10 @@ other, so they are compared on the same machine in the same minutes.
 the default) or `branching` (every third turn leaves the branch, alternately going back to an
 earlier reply of it with a new question, and compacting: a new conversation of one summary message;
 the other turns continue the branch). Several run one after another for each K, like `--family`.
+
+`--routing off on` runs each K without and with routing replay (R3): the proxy with
+`--routed-experts` and a model directory of Qwen3-30B-A3B's routing shape (48 layers x top-8 of 128
+experts: 384 bytes per token), the stand-in answering `routed_experts` rows of that shape.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from common import (
     proxy_process,
     save_figure,
     save_result,
+    tokenizer_dir,
     upstream_stub,
 )
 
@@ -53,6 +58,8 @@ SUMMARY = (
     "checked, the third needs another approach because the direct method ran out of steps. "
     "Continue from here."
 )
+# Routing replay's shape in the `on` runs: Qwen3-30B-A3B's (layers x top-k of experts).
+ROUTING_SHAPE = (48, 8, 128)
 # The journal's modes; `none` is a proxy without a dump directory (no journal: the baseline).
 DURABILITY_FLAGS = {
     "sync": ["--durability", "sync"],
@@ -198,10 +205,17 @@ def run_one(
     tokenizer: Path | None = None,
     durability: str = "sync",
     workload: str = "linear",
+    routing: bool = False,
 ) -> dict:
     """One K: the same closed-loop load straight to the stand-in, then through a fresh proxy."""
     me = psutil.Process()
-    with upstream_stub(work, latency_s, output_tokens) as (stub, stub_process):
+    shape = "x".join(map(str, ROUTING_SHAPE)) if routing else None
+    if routing:
+        from rolloutfleet_testkit.moe_model import moe_model_dir
+
+        source = tokenizer or tokenizer_dir()
+        tokenizer = moe_model_dir(source, work / f"moe-{source.name}", *ROUTING_SHAPE)
+    with upstream_stub(work, latency_s, output_tokens, routing=shape) as (stub, stub_process):
         progress(f"K={sessions}: direct to the upstream stand-in, {sessions * turns} requests")
         measured = asyncio.run(
             asyncio.wait_for(direct_load(stub, sessions, turns, output_tokens, latency_s), 600)
@@ -210,6 +224,8 @@ def run_one(
         flags = ["--upstream-max-connections", str(max(1024, sessions * 2))]
         flags.append("--log-requests" if log_requests else "--no-log-requests")
         flags += DURABILITY_FLAGS[durability]
+        if routing:
+            flags.append("--routed-experts")
         with proxy_process(work, stub, *flags, tokenizer=tokenizer) as (proxy, proxy_process_):
             progress(f"K={sessions}: through the proxy, {sessions * turns} turns ({workload})")
             processes = {"proxy": proxy_process_, "upstream_stub": stub_process, "load_generator": me}
@@ -232,6 +248,13 @@ def run_one(
                     ),
                     journal_commit_wait_mean_ms=journal["commit_wait_mean_ms"],
                 )
+            if routing and durability != "none":
+                files = (work / f"dumps-{proxy.rsplit(':', 1)[1]}" / "routing").glob("*.r3")
+                routed_bytes = sum(path.stat().st_size for path in files)
+                through["routing_file_bytes_per_held_token"] = round(
+                    routed_bytes / max(1, stats["tokens_held"]), 2
+                )
+            through["rss_bytes"] = proxy_process_.memory_info().rss
     through.update(
         proxy_cpu_seconds=round(used["proxy"], 2),
         proxy_cpu_us_per_turn=round(used["proxy"] / max(1, len(measured.latencies)) * 1e6),
@@ -245,6 +268,7 @@ def run_one(
         "log_requests": log_requests,
         "durability": durability,
         "workload": workload,
+        "routing": "on" if routing else "off",
         "direct": direct,
         "proxy": through,
         "added_latency_p50_ms": round(through["latency_p50_ms"] - direct["latency_p50_ms"], 1),
@@ -264,6 +288,7 @@ def series_name(runs: list[dict]):
     have several."""
     workloads = {r.get("workload", "linear") for r in runs}
     modes = {r.get("durability", "sync") for r in runs}
+    routings = {r.get("routing", "off") for r in runs}
 
     def name_of(r: dict) -> str:
         parts = [r.get("tokenizer", "test")]
@@ -271,6 +296,8 @@ def series_name(runs: list[dict]):
             parts.append(r.get("workload", "linear"))
         if len(modes) > 1:
             parts.append(r.get("durability", "sync"))
+        if len(routings) > 1:
+            parts.append(f"R3 {r.get('routing', 'off')}")
         return ", ".join(parts)
 
     return name_of
@@ -361,6 +388,13 @@ def main() -> None:
         choices=sorted(DURABILITY_FLAGS),
         help="journal modes to run for each K (none: no dump directory, the no-journal baseline)",
     )
+    parser.add_argument(
+        "--routing",
+        nargs="+",
+        default=["off"],
+        choices=["off", "on"],
+        help="routing replay (R3) off or on for each K (on: Qwen3-30B-A3B's routing shape)",
+    )
     args = parser.parse_args()
     load_average = os.getloadavg()[0]
     progress(f"1-minute load average at start: {load_average:.2f}")
@@ -382,28 +416,33 @@ def main() -> None:
                 for name in order:
                     for workload in workloads:
                         for durability in args.durability:
-                            progress(
-                                f"round {round_}, K={k}, tokenizer {name}, workload {workload}, "
-                                f"durability {durability}"
-                            )
-                            result = run_one(
-                                work,
-                                k,
-                                args.turns,
-                                args.latency_s,
-                                args.output_tokens,
-                                not args.no_log_requests,
-                                tokenizers[name],
-                                durability,
-                                workload,
-                            )
-                            runs.append({"round": round_, "tokenizer": name, **result})
+                            routings = args.routing if round_ % 2 == 0 else list(reversed(args.routing))
+                            for routing in routings:
+                                progress(
+                                    f"round {round_}, K={k}, tokenizer {name}, workload {workload}, "
+                                    f"durability {durability}, routing {routing}"
+                                )
+                                result = run_one(
+                                    work,
+                                    k,
+                                    args.turns,
+                                    args.latency_s,
+                                    args.output_tokens,
+                                    not args.no_log_requests,
+                                    tokenizers[name],
+                                    durability,
+                                    workload,
+                                    routing == "on",
+                                )
+                                runs.append({"round": round_, "tokenizer": name, **result})
     families = [name for name in tokenizers if name != "test"]
     suffix = ("-nolog" if args.no_log_requests else "") + "".join(f"-{name}" for name in families)
     if args.durability != ["sync"]:
         suffix += "-durability"
     if args.workload != ["linear"]:
         suffix += "".join(f"-{workload}" for workload in args.workload)
+    if args.routing != ["off"]:
+        suffix += "-r3"
     save_result(
         "overhead" + suffix,
         {
@@ -412,6 +451,7 @@ def main() -> None:
             "load_average_1m_at_start": round(load_average, 2),
             "tokenizers": list(tokenizers),
             "workloads": args.workload,
+            "routing_shape": list(ROUTING_SHAPE) if "on" in args.routing else None,
             "runs": runs,
         },
     )

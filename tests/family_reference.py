@@ -24,13 +24,21 @@ def template_messages(messages: list[dict]) -> list[dict]:
 
 
 def span_after_reply(
-    tokenizer, family, messages: list[dict], reply_index: int, tools, stop_text: str
+    tokenizer,
+    family,
+    messages: list[dict],
+    reply_index: int,
+    tools,
+    stop_text: str,
+    stopped: bool = True,
+    next_reply: int | None = None,
 ) -> list[int]:
     """What the template renders after the model's reply at `reply_index` in the real conversation
-    `messages`, up to the next reply (or the generation prompt), minus the closing the model wrote
-    itself (`stop_text`, its last token)."""
+    `messages`, up to the next reply (`next_reply`, by default the next assistant message) or the
+    generation prompt, minus the closing the model wrote itself (`stop_text`, its last token, unless
+    the reply was cut off without a stop token: not `stopped`)."""
     messages = template_messages(messages)
-    following = next(
+    following = next_reply or next(
         (i for i in range(reply_index + 1, len(messages)) if messages[i]["role"] == "assistant"),
         len(messages),
     )
@@ -47,10 +55,18 @@ def span_after_reply(
     text = tokenizer.apply_chat_template(marked, tools=tools, tokenize=False, add_generation_prompt=True)
     after = text[text.index(SENTINEL) + len(SENTINEL) :]
     # The template's own rendering of the reply's tool calls comes before its closing text.
-    if family.assistant_end:
-        assert family.assistant_end.startswith(stop_text)
-        tail = after[after.index(family.assistant_end) + len(family.assistant_end) :]
-        span = family.assistant_end[len(stop_text) :] + tail
+    end = family.call_end if reply.get("tool_calls") and family.call_end else family.assistant_end
+    if end:
+        tail = after[after.index(end) + len(end) :]
+        # The model's stop token stands in for the template's closing token (gpt-oss's <|return|> for
+        # the <|end|> the template writes mid-conversation); the rest of the closing follows it.
+        closer = tokenizer.convert_ids_to_tokens(tokenizer.encode(end, add_special_tokens=False)[0])
+        if stopped:
+            assert stop_text in (closer, tokenizer.eos_token, *family.stop_tokens)
+            span = end[len(closer) :] + tail
+        else:  # cut off: the whole closing
+            span = end + tail
     else:  # no closing text: the model's stop token is the next message's opener (GLM-4.5)
+        assert stopped
         span = after[after.index(stop_text) + len(stop_text) :]
     return tokenizer.encode(span, add_special_tokens=False)

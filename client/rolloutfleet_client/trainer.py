@@ -425,6 +425,7 @@ def to_torch(
     device: str | None = None,
     images: bool = False,
     image_processor: Any = None,
+    routed_experts: bool = False,
 ) -> dict[str, torch.Tensor]:
     """All trajectories of `batches` as right-padded tensors, in batch order:
 
@@ -441,6 +442,12 @@ def to_torch(
     [patches, C * temporal_patch * patch**2] float32 and image_grid_thw [I, 3] int64 of every image
     of every row, row by row in prompt order (what Qwen-VL models take), and image_counts [B] int64
     (images per row). Each image's grid is checked against the one the engine expanded it by.
+
+    With `routed_experts` (routing replay of a mixture-of-experts model's batches), also
+    routed_experts [B, T, layers, top_k] (uint8 when the expert count fits, else int32: torch's
+    unsigned 16- and 32-bit types index nothing) with the experts each token was routed to, aligned
+    with input_ids, and routed_experts_mask [B, T] bool, True where a row was recorded: every token
+    but a trajectory's last (it was never forwarded), none of a trajectory recorded without routing.
     """
     import torch  # lazily: the proxy process never imports this module, but keep it torch-free anyway
 
@@ -482,9 +489,33 @@ def to_torch(
     tensors["group_ids"] = torch.tensor(group_ids, dtype=torch.int64)
     if images:
         tensors.update(image_inputs(decoded, image_processor))
+    if routed_experts:
+        tensors.update(routing_inputs(decoded, width))
     if device is not None:
         tensors = {name: tensor.to(device) for name, tensor in tensors.items()}
     return tensors
+
+
+def routing_inputs(decoded: Sequence[DecodedBatch], width: int) -> dict[str, torch.Tensor]:
+    """`to_torch`'s routed_experts and routed_experts_mask, right-padded to `width` tokens."""
+    import torch
+
+    shapes = {d.routing for d in decoded if d.routing is not None}
+    if len(shapes) != 1:
+        raise ValueError(f"the batches hold routing of {len(shapes)} shapes (one is needed): {shapes}")
+    (shape,) = shapes
+    dtype = np.uint8 if shape.dtype == np.uint8 else np.int32
+    rows = sum(d.num_trajectories for d in decoded)
+    experts = np.zeros((rows, width, shape.layers, shape.top_k), dtype)
+    mask = np.zeros((rows, width), np.bool_)
+    row = 0
+    for d in decoded:
+        for i in range(d.num_trajectories):
+            routed = d.routed_experts(i) if d.routing is not None else ()
+            experts[row, : len(routed)] = routed
+            mask[row, : len(routed)] = True
+            row += 1
+    return {"routed_experts": torch.from_numpy(experts), "routed_experts_mask": torch.from_numpy(mask)}
 
 
 def image_inputs(decoded: Sequence[DecodedBatch], image_processor: Any = None) -> dict[str, torch.Tensor]:

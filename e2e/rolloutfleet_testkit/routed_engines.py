@@ -23,14 +23,21 @@ def routed_emulators(
             stack.enter_context(serve_app(create_app(str(tokenizer_dir), seed=0, **emulator)))  # type: ignore[arg-type]
             for _ in range(count)
         ]
-        port, metrics = free_ports(2)
-        args = python_module(
-            "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--worker-urls", *engines, "--policy", policy, "--log-level", "warn",
-            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
-        )  # fmt: skip
-        router = stack.enter_context(ServerProcess(args, log_dir / f"router-{port}.log"))
+        yield stack.enter_context(router_before(engines, log_dir, policy)), engines
+
+
+@contextlib.contextmanager
+def router_before(workers: list[str], log_dir: Path, policy: str = "manual") -> Iterator[str]:
+    """The router's URL, with `workers` (SGLang servers or stand-ins that answer its info routes)
+    behind it."""
+    port, metrics = free_ports(2)
+    args = python_module(
+        "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
+        "--worker-urls", *workers, "--policy", policy, "--log-level", "warn",
+        "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics),
+    )  # fmt: skip
+    with ServerProcess(args, log_dir / f"router-{port}.log") as router:
         url = f"http://127.0.0.1:{port}"
         router.wait_ready(f"{url}/health", 60)
         wait_until_routed(url)
-        yield url, engines
+        yield url

@@ -8,12 +8,17 @@ no model, so its own CPU cost per request stays far below the proxy's that it is
 With `RuledReplies`, a rule writes the reply for each prompt instead (tests that need replies in a
 model family's own format, or a tool-using model's behaviour): a reply ending on one of the stop
 ids finishes as SGLang reports a matched stop token, `{"type": "stop", "matched": <id>}`.
+
+With `routing` (layers, top_k, experts) it answers `return_routed_experts` as SGLang does
+(`meta_info.routed_experts`: base64 of int32 rows for positions [`routed_experts_start_len`,
+prompt + output - 1)), every row the same: what the proxy's routing replay costs, not a model's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import time
 import uuid
 from collections.abc import Callable
@@ -50,8 +55,23 @@ def parallel_samples(body: object) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
 
 
+def routed_experts(body: dict, prompt: int, outputs: int, routing: tuple[int, int, int]) -> str:
+    """SGLang's `meta_info.routed_experts` for a request: one fixed row per position from the start."""
+    layers, top_k, experts = routing
+    start = body.get("routed_experts_start_len", 0)
+    rows = max(0, prompt + outputs - 1 - (start if isinstance(start, int) else 0))
+    row = (bytes(range(top_k)) * layers)[: layers * top_k]
+    values = bytes(b % experts for b in row)
+    return base64.b64encode(b"".join(v.to_bytes(4, "little") for v in values) * rows).decode()
+
+
 def stub_answer(
-    body: object, output_tokens: int, token_id: int, latency_s: float, ruled: RuledReplies | None = None
+    body: object,
+    output_tokens: int,
+    token_id: int,
+    latency_s: float,
+    ruled: RuledReplies | None = None,
+    routing: tuple[int, int, int] | None = None,
 ) -> dict:
     """The SGLang `/generate` answer for a request body (raises ValueError for a bad body)."""
     if not isinstance(body, dict):
@@ -80,6 +100,8 @@ def stub_answer(
         "cached_tokens": 0,
         "e2e_latency": latency_s,
     }
+    if routing is not None and body.get("return_routed_experts"):
+        meta_info["routed_experts"] = routed_experts(body, meta_info["prompt_tokens"], count, routing)
     if body.get("return_logprob"):
         meta_info["output_token_logprobs"] = [
             [lp, i, None] for lp, i in zip(logprobs, output_ids, strict=True)
@@ -100,10 +122,12 @@ class UpstreamStub:
         output_tokens: int,
         token_id: int = 42,
         ruled: RuledReplies | None = None,
+        routing: tuple[int, int, int] | None = None,
     ) -> None:
         if latency_s < 0 or output_tokens < 0:
             raise ValueError("latency_s and output_tokens must be >= 0")
         self.ruled = ruled
+        self.routing = routing
         self.latency_s = latency_s
         self.output_tokens = output_tokens
         self.token_id = token_id
@@ -152,7 +176,7 @@ class UpstreamStub:
             body = orjson.loads(raw)
             samples = parallel_samples(body)
             answers = [
-                stub_answer(body, self.output_tokens, self.token_id, self.latency_s, self.ruled)
+                stub_answer(body, self.output_tokens, self.token_id, self.latency_s, self.ruled, self.routing)
                 for _ in range(samples)
             ]
         except (orjson.JSONDecodeError, ValueError) as exc:
@@ -174,8 +198,9 @@ def create_app(
     output_tokens: int,
     token_id: int = 42,
     ruled: RuledReplies | None = None,
+    routing: tuple[int, int, int] | None = None,
 ) -> UpstreamStub:
-    return UpstreamStub(latency_s, output_tokens, token_id, ruled)
+    return UpstreamStub(latency_s, output_tokens, token_id, ruled, routing)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -188,13 +213,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--latency-s", type=float, default=0.1)
     parser.add_argument("--output-tokens", type=int, default=32)
     parser.add_argument("--token-id", type=int, default=42)
+    parser.add_argument(
+        "--routed-experts",
+        metavar="LAYERSxTOP_KxEXPERTS",
+        help="answer return_routed_experts with rows of this shape (e.g. 48x8x128)",
+    )
     args = parser.parse_args(argv)
+    routing = tuple(int(v) for v in args.routed_experts.split("x")) if args.routed_experts else None
 
     import uvicorn
 
     # uvloop and httptools keep the stub's own overhead small; no access log for the same reason.
     uvicorn.run(
-        create_app(args.latency_s, args.output_tokens, args.token_id),
+        create_app(args.latency_s, args.output_tokens, args.token_id, routing=routing),  # type: ignore[arg-type]
         host=args.host,
         port=args.port,
         loop="uvloop",

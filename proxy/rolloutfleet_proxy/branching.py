@@ -60,15 +60,18 @@ def request_digest(history_digest: bytes, parameters: Mapping[str, Any]) -> byte
     return digest if digest != NO_DIGEST else b"\x01" + digest[1:]
 
 
-def place(record: SessionRecord, digests: list[bytes], parameters: Mapping[str, Any]) -> Placement:
-    """The deepest recorded reply the request's history runs through (the latest turn on a tie)."""
+def place(
+    record: SessionRecord, digests: list[bytes], parameters: Mapping[str, Any], base: int = ROOT
+) -> Placement:
+    """The deepest recorded reply the request's history runs through (the latest turn on a tie); none:
+    `base` (the root, or the turn whose reply the messages are said to follow)."""
     ends: dict[bytes, int] = {}
     ends_bytes = record.turn_end_digests
     for turn in range(len(ends_bytes) // DIGEST_BYTES):
         digest = tree.digest_at(ends_bytes, turn)
         if digest != NO_DIGEST:
             ends[digest] = turn
-    base, matched = ROOT, 0
+    matched = 0
     for count in range(len(digests) - 1, 0, -1):
         found = ends.get(digests[count])
         if found is not None:

@@ -14,6 +14,10 @@ text after the marker is what the template writes at that position. The model's 
 in for the template's message closer (`<|im_end|>`, `<|eot_id|>`, `<|end|>`, ...): when the reply
 ended on a stop token, the closer is not appended again, only what follows it (ChatML's "\\n").
 
+A template that renders a tool result only together with the call it answers (gpt-oss names the
+function in the result's header) gets a probe reply carrying the real calls instead: what follows the
+template's own rendering of those calls, which ends on the model's call stop token (`<|call|>`).
+
 At start-up the template is checked: the marker must render verbatim, and what it renders after the
 marker must not depend on the history before it (else the appended ids would differ from the
 template's own rendering in a real conversation), for user messages and, when tool calls are
@@ -26,7 +30,7 @@ import json
 import os
 import re
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,14 @@ _PROBE_TOOLS = [
 
 class TemplateError(ValueError):
     """The chat template cannot be applied incrementally (to these messages, or at all)."""
+
+
+def _after_marker(text: str) -> str:
+    """The rendered text after the probe reply's marker, which must appear exactly once."""
+    at = text.find(_MARKER)
+    if at < 0 or text.find(_MARKER, at + 1) >= 0:
+        raise TemplateError("the chat template does not render an assistant reply's content verbatim")
+    return text[at + len(_MARKER) :]
 
 
 def _reply(content: str) -> dict[str, Any]:
@@ -117,6 +129,9 @@ class TurnTokenizer:
         self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         kwargs = dict(default_kwargs or {})
         self.message_closer_id = self._find_closer(kwargs)
+        # The token the template ends a tool-call reply with, when it renders tool results only after
+        # the call they answer (gpt-oss's <|call|>); None when a reply's content is enough.
+        self.call_closer_id: int | None = None
         self._check_incremental(kwargs, tool_results)
 
     @classmethod
@@ -195,12 +210,20 @@ class TurnTokenizer:
         last_stop_token: int | None,
         tools: list[dict[str, Any]] | None = None,
         kwargs: Mapping[str, Any] | None = None,
+        reply: Mapping[str, Any] | None = None,
     ) -> tuple[array, str]:
         """Ids that follow a recorded reply (its closing, the new messages, the generation prompt),
-        and their text."""
-        tail = self._tail([_PROBE_USER], new_messages, tools, kwargs)
+        and their text. `reply` is that reply as the request carries it: its tool calls are rendered
+        in the probe when the template needs them before a tool result."""
+        calls = reply.get("tool_calls") if reply is not None and self.call_closer_id is not None else None
+        if calls and any(message["role"] == "tool" for message in new_messages):
+            tail = self._tail_after_calls([_PROBE_USER], calls, new_messages, tools, kwargs)
+            closer = self.call_closer_id
+        else:
+            tail = self._tail([_PROBE_USER], new_messages, tools, kwargs)
+            closer = self.message_closer_id
         ids = self.encode(tail)
-        if last_stop_token is not None and ids and ids[0] in (last_stop_token, self.message_closer_id):
+        if last_stop_token is not None and ids and ids[0] in (last_stop_token, closer):
             # The model's own stop token closed its reply: the template's closer is not added twice.
             del ids[0]
         return ids, tail
@@ -215,10 +238,30 @@ class TurnTokenizer:
     ) -> str:
         """What the template renders after a reply (the marker) that follows `history`."""
         text = self.render([*history, _reply(_MARKER), *new_messages], add_generation_prompt, tools, kwargs)
-        at = text.find(_MARKER)
-        if at < 0 or text.find(_MARKER, at + 1) >= 0:
-            raise TemplateError("the chat template does not render an assistant reply's content verbatim")
-        return text[at + len(_MARKER) :]
+        return _after_marker(text)
+
+    def _tail_after_calls(
+        self,
+        history: Sequence[Mapping[str, Any]],
+        calls: Sequence[Mapping[str, Any]],
+        new_messages: Sequence[Mapping[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        kwargs: Mapping[str, Any] | None,
+    ) -> str:
+        """What the template renders after a reply that made `calls`: the template's own rendering of
+        the calls (which the model wrote in its own way) is cut off, up to its closing stop token,
+        which stays in front as the reply's closer."""
+        replied = {"role": "assistant", "content": _MARKER, "tool_calls": list(calls)}
+        closed = _after_marker(self.render([*history, replied], False, tools, kwargs))
+        following = _after_marker(self.render([*history, replied, *new_messages], True, tools, kwargs))
+        closer = self.call_closer_id
+        closer_text = None if closer is None else self._backend.id_to_token(closer)
+        if closer_text is None or not closed.endswith(closer_text) or not following.startswith(closed):
+            raise TemplateError(
+                "the chat template renders a tool call differently when a tool result follows it, so the "
+                "ids of the tool result cannot be told apart from the call"
+            )
+        return closer_text + following[len(closed) :]
 
     # --- start-up checks -------------------------------------------------------------------------
 
@@ -274,11 +317,6 @@ class TurnTokenizer:
         return first if after_system and after_system[0] == first else None
 
     def _check_incremental(self, kwargs: Mapping[str, Any], tool_results: bool) -> None:
-        follow_ups: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]] | None]] = [
-            ("a user message", [{"role": "user", "content": _PROBE_NEXT}], None)
-        ]
-        if tool_results:
-            follow_ups.append(("a tool result", [_tool_result(_PROBE_NEXT)], _PROBE_TOOLS))
         tool_round = [
             {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
             _tool_result("rolloutfleet probe result"),
@@ -289,21 +327,60 @@ class TurnTokenizer:
             _reply("rolloutfleet probe answer"),
             {"role": "user", "content": "rolloutfleet probe second question"},
         ]
-        for what, new, tools in follow_ups:
-            try:
-                short = self._tail([_PROBE_USER], new, tools, kwargs)
-                long = self._tail(longer_history, new, tools, kwargs)
-            except TemplateError:
+        user = [{"role": "user", "content": _PROBE_NEXT}]
+        self._check_follow_up("a user message", lambda h: self._tail(h, user, None, kwargs), longer_history)
+        if not tool_results:
+            return
+        result = [_tool_result(_PROBE_NEXT)]
+        try:
+            self._check_follow_up(
+                "a tool result", lambda h: self._tail(h, result, _PROBE_TOOLS, kwargs), longer_history
+            )
+        except TemplateError as after_content:
+            # gpt-oss names the called function in a tool result's header, taken from the call before it.
+            self.call_closer_id = self._find_call_closer(kwargs)
+            if self.call_closer_id is None:
                 raise
-            except Exception as exc:
-                raise TemplateError(
-                    f"the chat template cannot render {what} after an assistant reply: {exc}"
-                ) from exc
-            if _PROBE_NEXT not in short:
-                raise TemplateError(f"the chat template does not render {what} after an assistant reply")
-            if short != long:
-                raise TemplateError(
-                    f"the chat template renders {what} after an assistant reply differently depending on "
-                    f"the conversation before it ({short!r} vs {long!r}), so ids appended turn by turn "
-                    "would not match the template"
+            try:
+                self._check_follow_up(
+                    "a tool result",
+                    lambda h: self._tail_after_calls(h, [_PROBE_CALL], result, _PROBE_TOOLS, kwargs),
+                    longer_history,
                 )
+            except TemplateError:
+                self.call_closer_id = None
+                raise after_content from None
+
+    def _find_call_closer(self, kwargs: Mapping[str, Any]) -> int | None:
+        """The end-of-generation token the template ends a tool-call reply with (gpt-oss's <|call|>),
+        or None when it ends one otherwise."""
+        replied = {"role": "assistant", "content": _MARKER, "tool_calls": [_PROBE_CALL]}
+        try:
+            closed = self.encode(
+                _after_marker(self.render([_PROBE_USER, replied], False, _PROBE_TOOLS, kwargs))
+            )
+        except Exception:  # any template failure means: no such closer
+            return None
+        return closed[-1] if closed and closed[-1] in self.end_of_generation_ids else None
+
+    def _check_follow_up(
+        self, what: str, tail_after: Callable[[Sequence[Mapping[str, Any]]], str], longer_history: list
+    ) -> None:
+        """What the template renders after a reply is the same after a short and a longer history."""
+        try:
+            short = tail_after([_PROBE_USER])
+            long = tail_after(longer_history)
+        except TemplateError:
+            raise
+        except Exception as exc:
+            raise TemplateError(
+                f"the chat template cannot render {what} after an assistant reply: {exc}"
+            ) from exc
+        if _PROBE_NEXT not in short:
+            raise TemplateError(f"the chat template does not render {what} after an assistant reply")
+        if short != long:
+            raise TemplateError(
+                f"the chat template renders {what} after an assistant reply differently depending on "
+                f"the conversation before it ({short!r} vs {long!r}), so ids appended turn by turn "
+                "would not match the template"
+            )

@@ -36,6 +36,7 @@ class ToolSpec:
     tools: list[dict[str, Any]]  # [{"type": "function", "function": {name, description?, parameters?}}]
     names: frozenset[str]
     choice: str | dict[str, Any]  # "auto" | "none" | "required" | {"type": "function", "function": {...}}
+    parallel: bool = True  # OpenAI's parallel_tool_calls: false allows one call per reply
 
     @property
     def rendered(self) -> list[dict[str, Any]] | None:
@@ -45,6 +46,11 @@ class ToolSpec:
     @property
     def parse_calls(self) -> bool:
         return self.choice != "none"
+
+    @property
+    def forces_call(self) -> bool:
+        """tool_choice "required" or a named function: the reply must be a call (`tool_grammar.py`)."""
+        return self.choice == "required" or isinstance(self.choice, dict)
 
     @property
     def forced_name(self) -> str | None:
@@ -121,7 +127,10 @@ def parse_tools(body: Mapping[str, Any]) -> ToolSpec | None:
     names = [t["function"]["name"] for t in tools]
     if len(set(names)) != len(names):
         raise invalid_tools("tool function names must be unique")
-    return ToolSpec(tools, frozenset(names), _tool_choice(choice, frozenset(names)))
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad_request(ErrorCode.INVALID_PARAMETER, "parallel_tool_calls must be a boolean")
+    return ToolSpec(tools, frozenset(names), _tool_choice(choice, frozenset(names)), parallel)
 
 
 def _tool_choice(choice: Any, names: frozenset[str]) -> str | dict[str, Any]:
@@ -148,11 +157,17 @@ def _tool_choice(choice: Any, names: frozenset[str]) -> str | dict[str, Any]:
     return {"type": "function", "function": {"name": name}}
 
 
-def check_tool_results(messages: Sequence[Mapping[str, Any]]) -> None:
-    """Every tool message answers a call of the last assistant message before it."""
+def check_tool_results(messages: Sequence[Mapping[str, Any]], after_recorded_reply: bool = False) -> None:
+    """Every tool message answers a call of the last assistant message before it. After a recorded
+    reply (`after_recorded_reply`), the tool messages that open `messages` answer that reply's calls:
+    the turn checks those."""
     open_calls: set[str] = set()
     for index, message in enumerate(messages):
         role = message["role"]
+        if after_recorded_reply:
+            if role == "tool":
+                continue
+            after_recorded_reply = False
         if role == "assistant":
             open_calls = {call["id"] for call in message.get("tool_calls", ())}
         elif role == "tool":
@@ -188,8 +203,18 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 )
 
 
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's values
+
+
 def template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
-    """The proxy's default `chat_template_kwargs` overridden key by key by the request's."""
+    """The proxy's default `chat_template_kwargs` overridden key by key by the request's. OpenAI's
+    `reasoning_effort` goes to the template as a keyword too (gpt-oss's writes it into its system
+    message), below the request's own `chat_template_kwargs`, as SGLang passes it."""
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise bad_request(
+            ErrorCode.INVALID_PARAMETER, f"reasoning_effort must be one of {list(REASONING_EFFORTS)}"
+        )
     given = body.get("chat_template_kwargs")
     if given is None:
         given = {}
@@ -200,4 +225,4 @@ def template_kwargs(body: Mapping[str, Any], defaults: Mapping[str, Any]) -> dic
         raise bad_request(ErrorCode.INVALID_PARAMETER, f"chat_template_kwargs may not set {reserved}")
     if not json_depth_within(dict(given), 16):
         raise bad_request(ErrorCode.INVALID_PARAMETER, "chat_template_kwargs nests too deep")
-    return {**defaults, **given}
+    return {**defaults, **({} if effort is None else {"reasoning_effort": effort}), **given}

@@ -20,6 +20,7 @@ from .session import Session
 from .stats import Counters, Gauges
 from .storage import Pending, Storage
 from .storage.images import ImageHolder
+from .storage.routing_store import routing_key
 from .store import SessionStore
 
 log = logging.getLogger("rolloutfleet.proxy.cleanup")
@@ -76,6 +77,12 @@ class StaleSessionCleaner:
         self._counters.images_deleted += len(gone)
         return len(gone)
 
+    async def collect_routing(self) -> int:
+        """Delete the routing replay rows of sessions no longer held (their departure is journaled
+        by now: a stale session's rows are beside its dump, an exported one's in its batch)."""
+        held = {routing_key(s.session_id, s.key_digest) for s in self._store.all_sessions()}
+        return await self._storage.routing.collect(held)
+
     async def run_once(self) -> int:
         """Dump and evict every stale session; returns how many left memory."""
         started = time.monotonic()
@@ -98,6 +105,7 @@ class StaleSessionCleaner:
             evicted = len(written.done)
             del stale
         await self.collect_images()
+        await self.collect_routing()
         # Trim when anything left memory since the last trim: stale dumps here, but also DELETEs and
         # export batches freed by an acknowledgement, an expiry or a drop.
         c = self._counters

@@ -4,7 +4,8 @@ SGLang answers an aborted request (`/pause_generation` in abort mode, a weight u
 `abort_all_requests`, `/abort_request`) with HTTP 200, `finish_reason.type == "abort"` and the
 tokens it made so far. The proxy keeps them and resubmits the prompt plus those tokens with the
 rest of the token budget, as AReaL does, so no generated token is wasted and the client still gets
-one reply. Each segment keeps the weight version it was generated under.
+one reply. Each segment keeps the weight version it was generated under. A generation under a grammar
+(a forced tool call) is the exception: it starts over from its prompt.
 
 Pure functions: the loop that calls the upstream lives in `turns.py`.
 """
@@ -55,6 +56,7 @@ class MergedTurn:
     version: int  # the version of the first segment
     version_changes: list[tuple[int, int]]  # (offset into output_ids, version) where it changed
     continuations: int  # segments after the first
+    routing: bytes | None = None  # routing replay's rows for the turn (routing_rows.turn_rows), when asked
 
 
 def engine_version(weight_version: str | None, fallback: int) -> int:
@@ -80,6 +82,16 @@ def logprobs_tempered(engine_logprobs: str, sampling_params: dict[str, Any]) -> 
     greedy = temperature < SGLANG_SAMPLING_EPS or sampling_params.get("top_k") == 1
     tempered = engine_logprobs == "tempered" and not greedy and not math.isclose(temperature, 1.0)
     return temperature, tempered
+
+
+# Sampling parameters that constrain generation from its first output token (SamplingParams).
+GRAMMAR_PARAMETERS = ("ebnf", "json_schema", "regex", "structural_tag")
+
+
+def restarts_after_abort(sampling_params: dict[str, Any]) -> bool:
+    """A constrained generation cannot be continued from its tokens: resubmitted with them as prompt, the
+    engine would start its grammar over after them. Such a sample is generated anew from its prompt."""
+    return any(sampling_params.get(name) is not None for name in GRAMMAR_PARAMETERS)
 
 
 def continuation_request(

@@ -1,4 +1,5 @@
-"""Errors a client sees: an HTTP status, a stable code (`ErrorCode`) and a message, as OpenAI-style JSON.
+"""Errors a client sees: an HTTP status, a stable code (`ErrorCode`) and a message, as OpenAI-style JSON
+(or in Anthropic's shape on the Messages routes, with the same code inside).
 
 Routes and request parsers raise `ProxyError`s, built by the functions below (one per shape of
 answer, so a repeated error is built one way everywhere). The domain failures of `failures.py`
@@ -30,20 +31,43 @@ class ProxyError(Exception):
         self.message = message
         self.headers = headers or {}
 
-    def to_response(self) -> Response:
-        return error_response(self.status, self.code, self.message, self.headers)
+    def to_response(self, path: str = "") -> Response:
+        return error_response(self.status, self.code, self.message, self.headers, path)
 
 
-def error_body(status: int, code: ErrorCode, message: str) -> bytes:
+# Anthropic's error types by status (its API reference, "Errors"); other statuses by class.
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
+# The Messages dialect's route ends so (`<session>/v1/messages`, where Anthropic's SDK posts).
+ANTHROPIC_PATH_SUFFIX = "/v1/messages"
+
+
+def error_body(status: int, code: ErrorCode, message: str, path: str = "") -> bytes:
+    """The error as the dialect of the request's `path` shapes it: Anthropic's
+    `{"type": "error", "error": {"type", "message"}}` under a Messages route, else OpenAI's; both carry
+    the proxy's `code` inside `error`, where the rollout client reads it."""
+    if path.endswith(ANTHROPIC_PATH_SUFFIX):
+        kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return orjson.dumps({"type": "error", "error": {"type": kind, "message": message, "code": code}})
     kind = "invalid_request_error" if 400 <= status < 500 else "server_error"
     return orjson.dumps({"error": {"code": code, "message": message, "type": kind}})
 
 
 def error_response(
-    status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None
+    status: int, code: ErrorCode, message: str, headers: dict[str, str] | None = None, path: str = ""
 ) -> Response:
     return Response(
-        error_body(status, code, message), status_code=status, headers=headers, media_type="application/json"
+        error_body(status, code, message, path),
+        status_code=status,
+        headers=headers,
+        media_type="application/json",
     )
 
 
@@ -133,9 +157,11 @@ def http_error(failure: f.Failure) -> ProxyError:
             | f.TemplateFailed()
             | f.UpstreamRefused()
             | f.ImageNotTaken()
+            | f.UnknownPreviousTurn()
+            | f.ToolResultWithoutCall()
         ):
             return bad_request(failure.code, failure.message)
-        case f.UpstreamFailed() | f.UpstreamImageMismatch():
+        case f.UpstreamFailed() | f.UpstreamImageMismatch() | f.UpstreamRoutingMissing():
             return ProxyError(502, failure.code, failure.message)
         case f.UpstreamTimedOut():
             return ProxyError(504, failure.code, failure.message)
@@ -148,7 +174,7 @@ def http_error(failure: f.Failure) -> ProxyError:
     )  # unmapped: a bug
 
 
-async def failure_handler(_request: Request, exc: Exception) -> Response:
+async def failure_handler(request: Request, exc: Exception) -> Response:
     """The Starlette exception handler for every domain failure (registered in `create_app`)."""
     assert isinstance(exc, f.Failure)
-    return http_error(exc).to_response()
+    return http_error(exc).to_response(request.url.path)

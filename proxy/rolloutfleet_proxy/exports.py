@@ -15,7 +15,7 @@ import asyncio
 import time
 
 from rolloutfleet_wire.errors import ErrorCode
-from rolloutfleet_wire.export_format import ExportImages, encode_batch
+from rolloutfleet_wire.export_format import ExportImages, ExportRouting, encode_batch
 from rolloutfleet_wire.session_tree import SampleShape, image_digests_of
 
 from .export_buffer import ExportBatch, ExportBuffer, new_batch
@@ -45,6 +45,8 @@ class ExportService:
         # Set at start for a vision-language model: batches then carry their images' bytes and the
         # processor configuration.
         self.images: ExportImages | None = None
+        # Set at start with routing replay: batches then carry each sample's routing rows.
+        self.routing: ExportRouting | None = None
         # Batches being built: the shutdown drain waits for them, or one finishing after the drain
         # wrote the buffer would be lost.
         self._building = 0
@@ -77,7 +79,13 @@ class ExportService:
             records = [s.to_record() for s in sessions]
             try:
                 data = await asyncio.to_thread(
-                    encode_batch, batch_id, records, self._generation.model_version, shape, self.images
+                    encode_batch,
+                    batch_id,
+                    records,
+                    self._generation.model_version,
+                    shape,
+                    self.images,
+                    self.routing,
                 )
                 await self._storage.keep_batch(batch_id, data, sessions, reason)
             except Exception:

@@ -198,6 +198,32 @@ class NoNewMessages(Failure):
         self.recorded = recorded
 
 
+class UnknownPreviousTurn(Failure):
+    """A request continues a turn (Responses' previous_response_id) that is not a delivered one."""
+
+    code = ErrorCode.PREVIOUS_RESPONSE_NOT_FOUND
+
+    def __init__(self, session_id: str, turn: int):
+        super().__init__(
+            f"previous_response_id names turn {turn} of session {session_id}, which is no delivered turn of "
+            "it (nothing was recorded)"
+        )
+        self.session_id, self.turn = session_id, turn
+
+
+class ToolResultWithoutCall(Failure):
+    """A tool result that opens a request continuing a turn answers no call of that turn's reply."""
+
+    code = ErrorCode.UNKNOWN_TOOL_CALL_ID
+
+    def __init__(self, call_id: str, made: list[str]):
+        super().__init__(
+            f"a tool result answers call {call_id!r}, which the previous response did not make (its calls: "
+            f"{', '.join(made) or 'none'})"
+        )
+        self.call_id, self.made = call_id, made
+
+
 class IdempotencyKeyReused(Failure):
     code = ErrorCode.IDEMPOTENCY_KEY_REUSED
 
@@ -275,6 +301,13 @@ class UpstreamImageMismatch(Failure):
     with the counts recorded on earlier turns: nothing was recorded."""
 
     code = ErrorCode.UPSTREAM_IMAGE_MISMATCH
+
+
+class UpstreamRoutingMissing(Failure):
+    """Routing replay is on and SGLang's answer lacks the routing of some token, or it does not fit
+    the model: nothing was recorded."""
+
+    code = ErrorCode.UPSTREAM_ROUTING_MISSING
 
 
 class UpstreamRefused(Failure):

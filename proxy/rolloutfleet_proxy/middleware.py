@@ -87,6 +87,7 @@ class RequestMiddleware:
             declared = self._declared_length(scope)
             if declared is not None and (declared < 0 or declared > self.max_bytes):
                 await self._reject(
+                    scope["path"],
                     send_with_status,
                     413,
                     ErrorCode.BODY_TOO_LARGE,
@@ -97,7 +98,7 @@ class RequestMiddleware:
                 if not self.budget.take(declared):
                     self.counters.requests_over_budget += 1
                     await self._reject(
-                        send_with_status, 503, ErrorCode.REQUEST_BUDGET, self._budget_message()
+                        scope["path"], send_with_status, 503, ErrorCode.REQUEST_BUDGET, self._budget_message()
                     )
                     return
                 held[0] = declared
@@ -149,8 +150,8 @@ class RequestMiddleware:
 
         return limited_receive
 
-    async def _reject(self, send: Send, status: int, code: ErrorCode, message: str) -> None:
-        body = error_body(status, code, message)
+    async def _reject(self, path: str, send: Send, status: int, code: ErrorCode, message: str) -> None:
+        body = error_body(status, code, message, path)
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 503:
             headers.append((b"retry-after", str(BUDGET_RETRY_AFTER_S).encode()))

@@ -14,6 +14,7 @@ from .chat_tools import ToolSpec, check_tool_results, parse_tools, template_kwar
 from .errors import bad_request, not_a_json_object
 from .history import InvalidMessage, UnsupportedContent, canonical_message
 from .replies import Reply
+from .tool_grammar import CONSTRAINABLE_PARSERS
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class ChatRequest:
     n: int = 1  # samples of the same prompt (a GRPO group): each is recorded as its own branch
     regenerate: bool = False  # a new sample even if this exact request was answered before
     idempotency_key: str | None = None  # the Idempotency-Key header
+    # The recorded turn whose reply `messages` follow (Responses' previous_response_id): the history is
+    # that turn's, then `messages`; None: `messages` are the whole conversation.
+    previous: int | None = None
 
 
 def _number(body: dict[str, Any], name: str, low: float, high: float) -> float | None:
@@ -71,9 +75,12 @@ def parse_chat_request(
     tool_parser: str | None = None,
     max_n: int = 1,
     idempotency_key: str | None = None,
+    previous: int | None = None,
 ) -> ChatRequest:
     """Validate an OpenAI chat request; unknown OpenAI parameters are ignored, wrong ones are 400.
-    Tools need a tool-call parser (`tool_parser`, SGLang's name), or their calls could not be returned."""
+    Tools need a tool-call parser (`tool_parser`, SGLang's name), or their calls could not be returned.
+    `previous`: the messages follow that recorded turn's reply (tool results that open them answer its
+    calls, which the turn checks)."""
     if not isinstance(body, dict):
         raise not_a_json_object()
     messages = body.get("messages")
@@ -85,13 +92,19 @@ def parse_chat_request(
         raise bad_request(ErrorCode.UNSUPPORTED_CONTENT, str(exc)) from None
     except InvalidMessage as exc:
         raise bad_request(ErrorCode.INVALID_MESSAGES, str(exc)) from None
-    check_tool_results(canonical)
+    check_tool_results(canonical, after_recorded_reply=previous is not None)
     tools = parse_tools(body)
     if tools is not None and tool_parser is None:
         raise bad_request(
             ErrorCode.UNSUPPORTED_PARAMETER,
             "this proxy has no tool-call parser, so tool calls could not be returned: set "
             "spec.proxy.toolCallParser on the fleet (ROLLOUTFLEET_PROXY_TOOL_CALL_PARSER)",
+        )
+    if tools is not None and tools.forces_call and tool_parser not in CONSTRAINABLE_PARSERS:
+        raise bad_request(
+            ErrorCode.UNSUPPORTED_PARAMETER,
+            f"tool_choice {tools.choice!r} cannot be enforced with the tool-call parser {tool_parser!r}: "
+            "the proxy has no grammar for its format",
         )
     n = body.get("n")
     if n is None:
@@ -150,6 +163,7 @@ def parse_chat_request(
         n=n,
         regenerate=regenerate,
         idempotency_key=parse_idempotency_key(idempotency_key),
+        previous=previous,
     )
 
 

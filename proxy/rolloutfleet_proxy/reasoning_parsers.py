@@ -14,11 +14,18 @@ reasoning_parser.py) for the think-tag families:
   whitespace it strips only when streaming. Both parts are stripped here, so the two paths agree. Empty
   reasoning is None, as SGLang's chat response reports it. A reply not in reasoning mode is returned
   unchanged as content.
+
+And `gpt-oss` (SGLang's GptOssDetector over its HarmonyParser), which has channels instead of tags: the
+analysis channel's bodies are the reasoning; final and preamble (commentary) bodies are the content,
+and a message addressed to a tool stays in the content as written, for the `gpt-oss` tool-call parser.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
+
+from .harmony_text import harmony_messages, is_harmony
 
 
 @dataclass(frozen=True)
@@ -27,8 +34,17 @@ class SplitReply:
     content: str
 
 
+class ReasoningSplitter(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    def split(self, text: str, prompt_opened_reasoning: bool = False) -> SplitReply: ...
+
+
 @dataclass(frozen=True)
 class ReasoningParser:
+    """A think-tag format: reasoning between a start and an end tag at the start of the reply."""
+
     name: str
     start_tag: str
     end_tag: str
@@ -51,9 +67,37 @@ class ReasoningParser:
         return SplitReply(reasoning.strip() or None, content.strip())
 
 
+@dataclass(frozen=True)
+class HarmonyReasoningParser:
+    """gpt-oss: the analysis channel is the reasoning, the final channel the content (harmony_text.py)."""
+
+    name: str = "gpt-oss"
+
+    def split(self, text: str, prompt_opened_reasoning: bool = False) -> SplitReply:
+        if not is_harmony(text):
+            return SplitReply(None, text)
+        messages, _ = harmony_messages(text)
+        reasoning: list[str] = []
+        content: list[str] = []
+        cursor = 0
+        for message in messages:
+            content.append(text[cursor : message.start])  # text outside messages stays content
+            if message.recipient is not None:
+                content.append(text[message.start : message.end])  # a call, as written
+            elif message.channel == "analysis":
+                reasoning.append(message.body or "")
+            elif message.body is not None:
+                content.append(message.body)
+            cursor = message.end
+        content.append(text[cursor:])
+        return SplitReply(
+            "".join(reasoning).strip() or None, " ".join(part for part in content if part.strip()).strip()
+        )
+
+
 _THINK, _END_THINK = "<think>", "</think>"
 
-_PARSERS: dict[str, ReasoningParser] = {
+_PARSERS: dict[str, ReasoningSplitter] = {
     parser.name: parser
     for parser in (
         ReasoningParser("qwen3", _THINK, _END_THINK, tool_start="<tool_call>"),
@@ -62,13 +106,14 @@ _PARSERS: dict[str, ReasoningParser] = {
         ReasoningParser("glm45", _THINK, _END_THINK, tool_start="<tool_call>"),
         # Kimi's thinking models (Kimi-VL-Thinking, k1.5) use their own tags.
         ReasoningParser("kimi", "◁think▷", "◁/think▷"),
+        HarmonyReasoningParser(),
     )
 }
 
 REASONING_PARSER_NAMES: frozenset[str] = frozenset(_PARSERS)
 
 
-def reasoning_parser(name: str) -> ReasoningParser:
+def reasoning_parser(name: str) -> ReasoningSplitter:
     """The parser SGLang's `--reasoning-parser NAME` selects; ValueError naming the known ones otherwise."""
     parser = _PARSERS.get(name)
     if parser is None:

@@ -19,7 +19,7 @@ from .chat_tokens import TurnTokenizer
 from .chat_tools import ToolSpec
 
 if TYPE_CHECKING:
-    from .reasoning_parsers import ReasoningParser
+    from .reasoning_parsers import ReasoningSplitter
     from .tool_parsers import ToolCallParser
 
 # Start and end tags of reasoning blocks: a generation prompt that ends inside one (DeepSeek-R1's
@@ -65,7 +65,7 @@ class ReplyBuilder:
     def __init__(self, tokenizer: TurnTokenizer, tool_parser: str | None, reasoning: str | None):
         self._tokenizer = tokenizer
         self.tool_parser: ToolCallParser | None = None
-        self.reasoning_parser: ReasoningParser | None = None
+        self.reasoning_parser: ReasoningSplitter | None = None
         if tool_parser:
             from .tool_parsers import tool_call_parser
 

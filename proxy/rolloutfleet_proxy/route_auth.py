@@ -13,10 +13,11 @@ from .session import Session
 
 
 def bearer_key(request: Request) -> str | None:
+    """The key of `Authorization: Bearer`, or of `x-api-key` (how Anthropic's SDK sends its key)."""
     header = request.headers.get("authorization", "")
     if header[:7].lower() == "bearer " and header[7:].strip():
         return header[7:].strip()
-    return None
+    return request.headers.get("x-api-key", "").strip() or None
 
 
 class RouteAuth:

@@ -10,7 +10,7 @@ import gc
 import logging
 from typing import Any
 
-from rolloutfleet_wire.export_format import ExportImages
+from rolloutfleet_wire.export_format import ExportImages, ExportRouting
 
 from .admission import AdmissionLimits
 from .chat_tokens import TurnTokenizer
@@ -23,6 +23,7 @@ from .image_intake import ImageIntake
 from .lifecycle import InFlightTurns, Lifecycle
 from .looplag import LoopLagMonitor
 from .model_version import ModelVersions, persisted_state
+from .moe import load_routing_shape
 from .periodic import PeriodicTask
 from .replies import ReplyBuilder
 from .runtime_stats import runtime_stats
@@ -31,6 +32,7 @@ from .shutdown import ShutdownDrain
 from .stats import AdmissionCounters, Counters, Gauges
 from .storage import DumpStorage, NoStorage, Storage
 from .storage.images import ImageHolder
+from .storage.routing_store import record_key
 from .store import SessionStore
 from .turns import TurnLimits, TurnService
 from .upstream import SGLangClient
@@ -198,6 +200,11 @@ class ProxyRuntime:
                 self.storage.images.read, vision.image_token_id, vision.processor_config
             )
         await asyncio.to_thread(self.storage.images.load)
+        if self.settings.routed_experts:
+            shape = await asyncio.to_thread(load_routing_shape, self.settings.tokenizer_path)
+            self.storage.routing.shape = shape
+            routing = self.storage.routing
+            self.exports.routing = ExportRouting(lambda record: routing.read(record_key(record)), shape)
         self.upstream = SGLangClient(
             self.settings.upstream_url,
             self.settings.upstream_timeout_s,
@@ -227,6 +234,7 @@ class ProxyRuntime:
         await self._restore_sessions()
         await self.exports.restore()
         await self.cleaner.collect_images()  # what a crash left unreferenced (a failed turn's images)
+        await self.cleaner.collect_routing()
         self.versions.rebase_after_restore()
         for task in self.background.values():
             task.start()

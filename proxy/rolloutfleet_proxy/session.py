@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+import zlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ PER_TURN_ARRAYS = (
     "turn_finishes",
     "turn_flags",
     "turn_created",
+    "turn_routed",
+    "turn_routing_crcs",
 )
 PER_TURN_DIGESTS = ("turn_end_digests", "turn_request_digests")
 
@@ -75,6 +78,9 @@ class RecordedTurn:
     idempotency_key: str | None = None  # the key's digest (hex), on a call's first turn
     # The images among new_input_ids, offsets into new_input_ids, in order (vision-language models).
     images: tuple[ImageSpan, ...] = ()
+    # Routing replay: the rows of expert ids the turn stores (routed_experts.turn_rows of them, in the
+    # fleet's dtype), on their way to the journal and the routing store; the session keeps their CRC.
+    routing: bytes | None = None
 
 
 def check_images(images: Sequence[ImageSpan], input_length: int) -> None:
@@ -206,6 +212,8 @@ class Session(SessionRecord):
         self.turn_finishes.append(turn.finish)
         self.turn_flags.append(turn.flags)
         self.turn_created.append(turn.created)
+        self.turn_routed.append(0 if turn.routing is None else 1)
+        self.turn_routing_crcs.append(0 if turn.routing is None else zlib.crc32(turn.routing))
         for image in turn.images:
             self.image_spans.extend(
                 (input_start + image.offset, image.tokens, image.grid_t, image.grid_h, image.grid_w)

@@ -1,5 +1,5 @@
 """Session routes: create and list sessions (admin key), read, reward, finish and delete one (its
-own key). The turn itself is in chat_route.py."""
+own key). The turns themselves are in turn_routes.py."""
 
 from __future__ import annotations
 

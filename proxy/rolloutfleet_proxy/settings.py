@@ -50,6 +50,14 @@ class ProxySettings(BaseSettings):
         description='Default chat template keywords (JSON object, e.g. {"enable_thinking": false}); '
         "a request's chat_template_kwargs override them key by key.",
     )
+    routed_experts: bool = Field(
+        fleet.PROXY_ROUTED_EXPERTS,
+        description="Routing replay (R3) for mixture-of-experts models: ask SGLang for the experts every "
+        "token was routed to, keep them on the dump volume and export them with the tokens. The engines "
+        "need --enable-return-routed-experts and the gateway must pass return_routed_experts "
+        "(sglang-router 0.3.2 drops it); the shape is read from config.json in the tokenizer (model) "
+        "directory. A turn whose answer lacks routing fails with 502 upstream_routing_missing.",
+    )
     public_url: str | None = Field(
         None, description="This proxy's own stable URL, returned with new sessions (per-pod DNS name)."
     )

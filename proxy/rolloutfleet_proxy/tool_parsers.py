@@ -23,8 +23,10 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
+
+from .harmony_text import harmony_messages, is_harmony
 
 
 @dataclass(frozen=True)
@@ -242,45 +244,6 @@ def _extract_deepseekv3(text: str, tool_names: Collection[str]) -> tuple[str, li
 
 # --- gpt-oss (OpenAI harmony format): gpt_oss_detector.py with parser/harmony_parser.py --------------
 
-_HARMONY_MARKER = re.compile(r"<\|(start|channel|constrain|message|end|call|return)\|>")
-_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
-
-
-@dataclass
-class _HarmonyMessage:
-    header_parts: list[str] = field(default_factory=list)  # role, channel, recipient, constraint
-    channel: str | None = None
-    body: str | None = None  # None: the header never reached <|message|>
-    terminated: bool = False  # closed by <|end|>, <|call|> or <|return|>, not cut off by the text's end
-
-
-def _harmony_messages(text: str) -> tuple[list[_HarmonyMessage], list[str]]:
-    """The messages in harmony text, and the stray text between them."""
-    messages: list[_HarmonyMessage] = []
-    stray: list[str] = []
-    current: _HarmonyMessage | None = None
-    in_body = False
-    pieces = _HARMONY_MARKER.split(text)  # [text, marker, text, marker, text, ...]
-    stray.append(pieces[0])
-    for marker, following in zip(pieces[1::2], pieces[2::2], strict=True):
-        if marker in ("end", "call", "return"):
-            if current is not None:
-                current.terminated = True
-            current, in_body = None, False
-            stray.append(following)
-            continue
-        if current is None or in_body or (marker == "start"):
-            # A new message; one whose body was not closed ends here (lenient: the model skipped <|end|>).
-            current, in_body = _HarmonyMessage(), False
-            messages.append(current)
-        if marker == "message":
-            current.body, in_body = following, True
-            continue
-        if marker == "channel":
-            current.channel = following.split(None, 1)[0] if following.strip() else ""
-        current.header_parts.append(following)
-    return messages, stray
-
 
 def _harmony_recipient_name(recipient: str) -> str:
     # Function tools live in the "functions" namespace; built-in tools (browser.search, python) keep
@@ -289,18 +252,19 @@ def _harmony_recipient_name(recipient: str) -> str:
 
 
 def _extract_gpt_oss(text: str, tool_names: Collection[str]) -> tuple[str, list[ToolCall]]:
-    """Harmony messages: `<|channel|>analysis<|message|>...<|end|>` (reasoning, never content),
-    `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
-    (a call; its <|call|> may have been removed as the stop token), commentary without a recipient (a
-    preamble) and `<|channel|>final<|message|>...`. Content is the preambles and final text joined by a
-    space and stripped, as SGLang's detector returns them; text with no harmony marker is all content."""
-    if _HARMONY_MARKER.search(text) is None:
+    """Harmony messages (`harmony_text.py`): `<|channel|>analysis<|message|>...<|end|>` (reasoning, never
+    content), `<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}
+    <|call|>` (a call; its <|call|> may have been removed as the stop token), commentary without a
+    recipient (a preamble) and `<|channel|>final<|message|>...`. Content is the preambles, the final text
+    and text outside messages (what the `gpt-oss` reasoning parser left), joined by a space and stripped,
+    as SGLang's detector returns them; text with no harmony marker is all content."""
+    if not is_harmony(text):
         return text, []
-    messages, stray = _harmony_messages(text)
+    messages, stray = harmony_messages(text)
     content_parts = [part for part in stray if part.strip()]
     calls = []
     for message in messages:
-        recipient = _RECIPIENT.search(" ".join(message.header_parts))
+        recipient = message.recipient
         if recipient is not None:
             if message.body is None:
                 raise _Malformed("a harmony tool call cut off before its arguments")
@@ -310,7 +274,7 @@ def _extract_gpt_oss(text: str, tool_names: Collection[str]) -> tuple[str, list[
                 arguments = {}  # a call without arguments (SGLang: {})
             else:  # the text ends at <|message|>: cut off, not a call without arguments
                 raise _Malformed("a harmony tool call cut off before its arguments")
-            calls.append(ToolCall(_harmony_recipient_name(recipient.group(1)), _arguments_object(arguments)))
+            calls.append(ToolCall(_harmony_recipient_name(recipient), _arguments_object(arguments)))
         elif message.body is not None and message.channel != "analysis":
             content_parts.append(message.body)
     return " ".join(part for part in content_parts if part).strip(), calls

@@ -10,20 +10,24 @@ under the model version current when it passed the gate.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import itertools
 import random
 import secrets
 import time
 from array import array
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rolloutfleet_wire import session_tree as tree
+from rolloutfleet_wire.routed_experts import RoutingError, first_row
 from rolloutfleet_wire.session_record import (
     FINISH_CODES,
     FINISH_NAMES,
     FINISH_UNKNOWN,
     FLAG_PROMPT_OPENS_REASONING,
+    NO_DIGEST,
     NO_STOP_TOKEN,
     ROOT,
     ImageSpan,
@@ -39,6 +43,7 @@ from .continuation import (
     engine_version,
     logprobs_tempered,
     merge_segments,
+    restarts_after_abort,
 )
 from .failures import (
     ClientGone,
@@ -52,10 +57,13 @@ from .failures import (
     SessionFinished,
     ShuttingDown,
     TemplateFailed,
+    ToolResultWithoutCall,
     TooManyBranches,
     TurnInFlight,
+    UnknownPreviousTurn,
     UpstreamAborted,
     UpstreamImageMismatch,
+    UpstreamRoutingMissing,
 )
 from .generation import GenerationControl
 from .history import extend_digest, image_parts, message_text, tools_digest
@@ -64,12 +72,16 @@ from .image_tokens import collapse, expand, expansion_problem, placeholder_offse
 from .images import ImageLimits
 from .lifecycle import CancelCause, InFlightTurns
 from .openai_format import ChatRequest
+from .reasoning_parsers import ReasoningParser
 from .replies import Reply, ReplyBuilder, prompt_opens_reasoning
+from .routing_rows import next_start, turn_rows
 from .session import RecordedTurn, Session
 from .stats import Counters
 from .storage import Pending, Storage
 from .storage.images import ImageStore
+from .storage.routing_store import routing_key
 from .store import SessionStore
+from .tool_grammar import OFFLOAD_TOOLS, tool_choice_grammar
 from .upstream import Generation, SGLangClient
 
 
@@ -79,6 +91,8 @@ class TurnLimits:
     offload_templating_bytes: int = 32 * 1024
     max_branches: int = 256  # leaves per session
     abort_ride_through_s: float = 600.0  # how long aborts without progress are resubmitted
+    # Routing replay payloads (base64) from which decoding them runs in a worker thread.
+    offload_routing_bytes: int = 1 << 20
 
 
 def message_text_bytes(messages: list[dict], stop_after: int | None = None) -> int:
@@ -108,6 +122,7 @@ class Choice:
     finish: str  # SGLang's finish type: "stop", "length", "abort"
     output_ids: array
     logprobs: array
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 @dataclass(frozen=True)
@@ -129,6 +144,7 @@ class NewInput:
     parent: int
     keep: int
     own_ids: array  # the part of `ids` not already stored under `parent`
+    history_length: int  # messages in the whole history before the reply
     images: tuple[ImageSpan, ...] = ()  # the new messages' images, offsets into `ids`
     own_images: tuple[ImageSpan, ...] = ()  # those among `own_ids`, offsets into `own_ids`
 
@@ -155,13 +171,16 @@ def _ms(start: float, end: float) -> float:
 
 def call_parameters(request: ChatRequest) -> dict:
     """The parameters that make two requests with the same history the same request."""
-    return {
+    parameters = {
         "sampling": request.sampling_params,
         "n": request.n,
         "tools": request.tools.tools if request.tools else None,
         "tool_choice": request.tools.choice if request.tools else None,
         "template": request.template_kwargs,
     }
+    if request.tools and not request.tools.parallel:  # only then: the digests of other requests stay
+        parameters["parallel_tool_calls"] = False
+    return parameters
 
 
 def idempotency_key_digest(key: str) -> str:
@@ -204,9 +223,15 @@ class TurnService:
 
     def plan(self, session: Session, request: ChatRequest) -> NewInput | TurnResult:
         """A recorded answer to send again (a retry), or the ids this request adds to the tree."""
-        seed = tools_digest(request.tools.tools if request.tools else None)
-        digests = message_digests(seed, request.messages)
-        placement = place(session, digests, call_parameters(request))
+        if request.previous is None:
+            seed = tools_digest(request.tools.tools if request.tools else None)
+            placement = place(session, message_digests(seed, request.messages), call_parameters(request))
+            history_length = len(request.messages)
+        else:  # the history is the named turn's: its digest goes on with the messages after it
+            previous = self._previous_turn(session, request)
+            digests = message_digests(tree.digest_at(session.turn_end_digests, previous), request.messages)
+            placement = place(session, digests, call_parameters(request), base=previous)
+            history_length = session.turn_message_counts[previous] + len(request.messages)
         replay = self._replay(session, request, placement.request_digest)
         if replay is not None:
             return replay
@@ -223,7 +248,11 @@ class TurnService:
             else:
                 stop_token = session.turn_stop_tokens[placement.base]
                 ids, text = self._tokenizer.continuation(
-                    new, None if stop_token == NO_STOP_TOKEN else stop_token, tools, request.template_kwargs
+                    new,
+                    None if stop_token == NO_STOP_TOKEN else stop_token,
+                    tools,
+                    request.template_kwargs,
+                    reply=request.messages[placement.matched - 1],  # the base's reply, as the client has it
                 )
         except TemplateError as exc:
             raise TemplateFailed(str(exc)) from None
@@ -236,7 +265,40 @@ class TurnService:
         cut = keep - tree.path_length(session, placement.base)
         own = ids[cut:]
         own_images = tuple(i._replace(offset=i.offset - cut) for i in images if i.offset >= cut)
-        return NewInput(placement, ids, text, parent, keep, own, tuple(images), own_images)
+        return NewInput(placement, ids, text, parent, keep, own, history_length, tuple(images), own_images)
+
+    def _previous_turn(self, session: Session, request: ChatRequest) -> int:
+        """The recorded turn a request continues (`request.previous`), checked: delivered, and the tool
+        results that open the request answer calls its reply made."""
+        turn = request.previous
+        assert turn is not None
+        if (
+            not 0 <= turn < session.committed_turns
+            or tree.digest_at(session.turn_end_digests, turn) == NO_DIGEST
+        ):
+            raise UnknownPreviousTurn(session.session_id, turn)
+        results = [
+            m["tool_call_id"] for m in itertools.takewhile(lambda m: m["role"] == "tool", request.messages)
+        ]
+        if results:
+            made = {call["id"] for call in self._recorded_reply(session, turn, request).tool_calls}
+            for call_id in results:
+                if call_id not in made:
+                    raise ToolResultWithoutCall(call_id, sorted(made))
+        return turn
+
+    def _recorded_reply(self, session: Session, turn: int, request: ChatRequest) -> Reply:
+        """A recorded turn's reply, rebuilt from its ids as the client got it."""
+        _, output_start, end = tree.bounds(session, turn)
+        stop_token = session.turn_stop_tokens[turn]
+        return self._replies.build(
+            session.token_ids[output_start:end],
+            None if stop_token == NO_STOP_TOKEN else stop_token,
+            session.turn_stop_strings.get(turn),
+            request.tools,
+            bool(session.turn_flags[turn] & FLAG_PROMPT_OPENS_REASONING),
+            f"{session.session_id}/{turn}",
+        )
 
     def _expand_images(self, ids: array, digests: list[bytes]) -> tuple[array, list[ImageSpan]]:
         """The new ids with each image's placeholder expanded to the token count the model directory's
@@ -314,18 +376,18 @@ class TurnService:
         choices = []
         for turn in tree.calls(session)[call]:
             _, output_start, end = tree.bounds(session, turn)
-            output_ids = session.token_ids[output_start:end]
-            stop_token = session.turn_stop_tokens[turn]
-            reply = self._replies.build(
-                output_ids,
-                None if stop_token == NO_STOP_TOKEN else stop_token,
-                session.turn_stop_strings.get(turn),
-                request.tools,
-                bool(session.turn_flags[turn] & FLAG_PROMPT_OPENS_REASONING),
-                f"{session.session_id}/{turn}",
-            )
+            reply = self._recorded_reply(session, turn, request)
             finish = FINISH_NAMES.get(session.turn_finishes[turn], "stop")
-            choices.append(Choice(turn, reply, finish, output_ids, session.logprobs[output_start:end]))
+            choices.append(
+                Choice(
+                    turn,
+                    reply,
+                    finish,
+                    session.token_ids[output_start:end],
+                    session.logprobs[output_start:end],
+                    session.turn_stop_strings.get(turn),
+                )
+            )
         _, first_output, _ = tree.bounds(session, call)
         prompt_tokens = tree.path_length(session, call) - (tree.bounds(session, call)[2] - first_output)
         return TurnResult(call, choices, prompt_tokens, session.turn_created[call], replayed)
@@ -392,16 +454,40 @@ class TurnService:
         new = planned
         self._check_branch_limit(session, new, request.n)
         prompt = self.engine_prompt(session, new)
+        sampling = await self._sampling(request, new)
+        # Routing replay: the rows this turn's path lacks start here (the rest are recorded already).
+        routed_from = (
+            None if self._storage.routing.shape is None else first_row(session, new.parent, new.keep)
+        )
         t_up = time.perf_counter()
         timings["tokenize_ms"] = _ms(t_tok, t_up)
-        samples, paused_s = await self._call_upstream(session, prompt, request.sampling_params, request.n)
+        samples, paused_s = await self._call_upstream(session, prompt, sampling, request.n, routed_from)
         t_rec = time.perf_counter()
         if paused_s > 0:
             timings["pause_wait_ms"] = round(paused_s * 1000, 3)
         timings["upstream_ms"] = round(_ms(t_up, t_rec) - paused_s * 1000, 3)
-        result = await self._record(session, request, new, samples, len(prompt.expanded), timings)
+        result = await self._record(
+            session, request, new, samples, len(prompt.expanded), timings, routed_from
+        )
         timings["record_ms"] = _ms(t_rec, time.perf_counter())
         return result
+
+    async def _sampling(self, request: ChatRequest, new: NewInput) -> dict:
+        """The request's sampling parameters, with the grammar of a forced tool call (tool_grammar.py):
+        built in a worker thread for many tools, kept for a session's later turns."""
+        parser = self._replies.tool_parser
+        # Think-tag reasoning comes before a forced call; harmony's analysis channel is the grammar's own.
+        reasoning = self._replies.reasoning_parser
+        build = functools.partial(
+            tool_choice_grammar,
+            request.tools,
+            parser.name if parser else None,
+            reasoning if isinstance(reasoning, ReasoningParser) else None,
+            new.text,
+        )
+        many = request.tools is not None and len(request.tools.tools) >= OFFLOAD_TOOLS
+        grammar = await asyncio.to_thread(build) if many else build()
+        return request.sampling_params if grammar is None else {**request.sampling_params, "ebnf": grammar}
 
     async def _record(
         self,
@@ -411,12 +497,19 @@ class TurnService:
         samples: list[MergedTurn],
         prompt_tokens: int,
         timings: dict[str, float],
+        routed_from: int | None = None,
     ) -> TurnResult:
         """Append every sample as a turn (siblings under the same prompt), journal them, and answer
-        only once they are durable."""
+        only once they are durable. Routing replay rows go to the routing store first (its size is
+        put back with the session's if the turn cannot be made durable)."""
+        routing = self._storage.routing
+        key = routing_key(session.session_id, session.key_digest)
+        routing_mark = routing.size(key)
         temperature, tempered = logprobs_tempered(self._engine_logprobs, request.sampling_params)
         opens_reasoning = prompt_opens_reasoning(new.text)
-        key = None if request.idempotency_key is None else idempotency_key_digest(request.idempotency_key)
+        idempotency = (
+            None if request.idempotency_key is None else idempotency_key_digest(request.idempotency_key)
+        )
         created = time.time()
         mark = session.mark()
         call = session.num_turns
@@ -443,7 +536,7 @@ class TurnService:
                     own,
                     generation.output_ids,
                     generation.logprobs,
-                    message_count=len(request.messages) + 1,
+                    message_count=new.history_length + 1,
                     history_digest=extend_digest(new.placement.history_digest, [reply.message()]),
                     stopped=stop_token is not None,
                     stop_token=stop_token,
@@ -459,9 +552,12 @@ class TurnService:
                     flags=FLAG_PROMPT_OPENS_REASONING if opens_reasoning else 0,
                     created=created,
                     stop_string=generation.stop_string,
-                    idempotency_key=key if index == 0 else None,
+                    idempotency_key=idempotency if index == 0 else None,
                     images=own_images,
+                    routing=self._own_rows(session, turn, parent, keep, len(own), routed_from),
                 )
+                if recorded.routing is not None:
+                    await routing.append(key, recorded.routing)
                 self._store.record_growth(session.append_turn(recorded))
                 # In the append's synchronous step: the journal's order is the order of the changes.
                 pending.append(self._storage.turn(session, turn_index, recorded))
@@ -472,6 +568,7 @@ class TurnService:
                         generation.finish_reason,
                         generation.output_ids,
                         generation.logprobs,
+                        generation.stop_string,
                     )
                 )
             t_journal = time.perf_counter()
@@ -480,6 +577,7 @@ class TurnService:
             timings["journal_ms"] = _ms(t_journal, time.perf_counter())
         except Failure:
             # Not durable, so not delivered: the session is as it was, the client may retry the turn.
+            await routing.truncate(key, routing_mark)
             removed = session.rollback(mark)
             if not session.closed:
                 self._store.record_growth(-removed)
@@ -490,8 +588,41 @@ class TurnService:
         self._counters.turns += len(samples)
         return TurnResult(call, choices, prompt_tokens, created)
 
+    def _own_rows(
+        self, session: Session, turn: MergedTurn, parent: int, keep: int, own: int, routed_from: int | None
+    ) -> bytes | None:
+        """A sample's rows as its turn stores them: the turn's rows from the first its own place in
+        the tree lacks (a sibling sample shares the first's prompt rows, stored with the first)."""
+        shape = self._storage.routing.shape
+        if routed_from is None or turn.routing is None or shape is None:
+            return None
+        start = first_row(session, parent, keep)
+        rows = turn.routing[max(0, start - routed_from) * shape.row_bytes :]
+        expected = max(0, keep + own + len(turn.generation.output_ids) - 1 - start)
+        if len(rows) != expected * shape.row_bytes:
+            raise UpstreamRoutingMissing(f"the turn has {len(rows)} bytes of routing, not {expected} rows")
+        return rows
+
+    async def _routing(
+        self, routed_from: int, prompt: EnginePrompt, segments: list[Segment], merged: MergedTurn
+    ) -> MergedTurn:
+        """The merged sample with its routing rows (decoded in a worker thread when large)."""
+        shape = self._storage.routing.shape
+        assert shape is not None
+        args = (routed_from, len(prompt.expanded), segments, shape)
+        size = sum(len(s.generation.routed_experts or "") for s in segments)
+        try:
+            rows = (
+                await asyncio.to_thread(turn_rows, *args)
+                if size >= self._limits.offload_routing_bytes
+                else turn_rows(*args)
+            )
+        except RoutingError as exc:
+            raise UpstreamRoutingMissing(str(exc)) from None
+        return replace(merged, routing=rows)
+
     async def _generate(
-        self, prompt: EnginePrompt, sampling: dict, session: Session, n: int
+        self, prompt: EnginePrompt, sampling: dict, session: Session, n: int, routed_from: int | None = None
     ) -> tuple[list[MergedTurn], float]:
         """Pass the pause gate, then generate n samples; an aborted sample passes the gate again (so it
         waits for the resume) and continues with its tokens kept. Returns the samples and the seconds
@@ -506,12 +637,12 @@ class TurnService:
                 if n == 1:
                     first = [
                         await self._upstream.generate(
-                            prompt.ids, sampling, session.session_id, f"{rid}-0", prompt.digests
+                            prompt.ids, sampling, session.session_id, f"{rid}-0", prompt.digests, routed_from
                         )
                     ]
                 else:
                     first = await self._upstream.generate_samples(
-                        prompt.ids, sampling, n, session.session_id, f"{rid}-0", prompt.digests
+                        prompt.ids, sampling, n, session.session_id, f"{rid}-0", prompt.digests, routed_from
                     )
             finally:
                 self._generation.leave()
@@ -521,60 +652,82 @@ class TurnService:
                 segments.append(Segment(generation, engine_version(generation.weight_version, proxy_version)))
             for index, segments in enumerate(sample_segments):
                 paused_total += await self._ride_through_aborts(
-                    prompt, sampling, session, segments, f"{rid}-{index}"
+                    prompt, sampling, session, segments, f"{rid}-{index}", routed_from
                 )
+            merged = []
+            for segments in sample_segments:
+                turn = merge_segments(segments, int(sampling["max_new_tokens"]), self._tokenizer.decode)
+                if routed_from is not None:
+                    turn = await self._routing(routed_from, prompt, segments, turn)
+                merged.append(turn)
         except BaseException:
             # Tokens an engine made before an abort that could not be continued: counted, not hidden.
             self._counters.generated_tokens_discarded += sum(
                 len(s.generation.output_ids) for segments in sample_segments for s in segments
             )
             raise
-        merged = []
         for segments in sample_segments:
-            merged.append(merge_segments(segments, int(sampling["max_new_tokens"]), self._tokenizer.decode))
             self._counters.generated_tokens_continued += sum(
                 len(s.generation.output_ids) for s in segments[:-1]
             )
         return merged, paused_total
 
     async def _ride_through_aborts(
-        self, prompt: EnginePrompt, sampling: dict, session: Session, segments: list[Segment], rid: str
+        self,
+        prompt: EnginePrompt,
+        sampling: dict,
+        session: Session,
+        segments: list[Segment],
+        rid: str,
+        routed_from: int | None = None,
     ) -> float:
         """Resubmit a sample the engine aborted, with every token made so far, until it finishes. A
         trainer aborts the engine around weight updates without telling the proxy: while aborts make
         no token (the engine is still updating or paused) the resubmissions back off
         (`abort_backoff_s`), and the turn fails only when the engine has not finished it within
         `abort_ride_through_s` of the first abort. Returns the seconds held at the proxy's own gate."""
-        aborted = segments[-1].generation.aborted
-        request = continuation_request(prompt.ids, sampling, segments) if aborted else None
+        last = segments[-1].generation
+        request = self._continuation(prompt, sampling, segments) if last.aborted else None
         started = time.monotonic()
         idle_aborts = 0
         paused_s = 0.0
+        attempt = 0
         while request is not None:
-            last = segments[-1].generation
+            attempt += 1
             idle_aborts = idle_aborts + 1 if not last.output_ids else 0
             if time.monotonic() - started > self._limits.abort_ride_through_s:
-                raise UpstreamAborted(len(segments), last.abort_message, time.monotonic() - started)
+                raise UpstreamAborted(attempt, last.abort_message, time.monotonic() - started)
             await asyncio.sleep(abort_backoff_s(idle_aborts, random.random()))
             self._counters.turns_continued += 1
             proxy_version, waited = await self._generation.enter()
             paused_s += waited
+            start = None if routed_from is None else next_start(routed_from, len(prompt.expanded), segments)
             try:
-                generation = await self._upstream.generate(
-                    request[0], request[1], session.session_id, f"{rid}-{len(segments)}", prompt.digests
+                last = await self._upstream.generate(
+                    request[0], request[1], session.session_id, f"{rid}-{attempt}", prompt.digests, start
                 )
             finally:
                 self._generation.leave()
-            segments.append(Segment(generation, engine_version(generation.weight_version, proxy_version)))
-            request = continuation_request(prompt.ids, sampling, segments) if generation.aborted else None
+            segments.append(Segment(last, engine_version(last.weight_version, proxy_version)))
+            request = self._continuation(prompt, sampling, segments) if last.aborted else None
         return paused_s
 
+    def _continuation(
+        self, prompt: EnginePrompt, sampling: dict, segments: list[Segment]
+    ) -> tuple[array, dict] | None:
+        """What continues an aborted sample; a constrained one starts over from its prompt, its tokens
+        counted as discarded (`restarts_after_abort`)."""
+        if restarts_after_abort(sampling):
+            self._counters.generated_tokens_discarded += sum(len(s.generation.output_ids) for s in segments)
+            segments.clear()
+        return continuation_request(prompt.ids, sampling, segments)
+
     async def _call_upstream(
-        self, session: Session, prompt: EnginePrompt, sampling: dict, n: int
+        self, session: Session, prompt: EnginePrompt, sampling: dict, n: int, routed_from: int | None = None
     ) -> tuple[list[MergedTurn], float]:
         # One task for the wait at the gate and the call: a DELETE, the drain or a departed client
         # cancels either, which closes the upstream connection and so aborts the engine's request.
-        task = asyncio.create_task(self._generate(prompt, sampling, session, n))
+        task = asyncio.create_task(self._generate(prompt, sampling, session, n, routed_from))
         try:
             with self._in_flight.generation(session, task) as generation:
                 await asyncio.wait({task})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -16,6 +17,9 @@ from .storage.images import ImageStore
 
 # sglang-router's `manual` policy routes requests with the same key to the same engine.
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+# Answers from this size on are parsed in a worker thread: with routing replay, a long prompt's first
+# answer carries its rows (a 32k-token prompt of a 48 x 8 model: 67 MB of base64).
+OFFLOAD_PARSE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,8 @@ class Generation:
     rid: str | None = None  # SGLang's meta_info.id: the engine request (a sample's own rid, in a group)
     # The prompt ids as the engine expanded them (`return_prompt_token_ids`, asked with images).
     prompt_token_ids: array | None = None
+    # Routing replay: `meta_info.routed_experts` as SGLang sent it (base64 of int32 rows), when asked.
+    routed_experts: str | None = None
 
     @property
     def aborted(self) -> bool:
@@ -122,6 +128,7 @@ def _generation(answer: object) -> Generation:
     text = answer.get("text", "")
     if not isinstance(text, str):
         raise UpstreamFailed("upstream text is not a string")
+    routed = meta.get("routed_experts")
     prompt_ids = answer.get("prompt_token_ids")
     if prompt_ids is not None:
         try:
@@ -141,6 +148,7 @@ def _generation(answer: object) -> Generation:
         abort_message=abort_message,
         rid=rid if isinstance(rid, str) else None,
         prompt_token_ids=prompt_ids,
+        routed_experts=routed if isinstance(routed, str) else None,
     )
 
 
@@ -185,14 +193,19 @@ class SGLangClient:
         routing_key: str | None = None,
         rid: str | None = None,
         images: Sequence[bytes] = (),
+        routed_experts_start: int | None = None,
     ) -> Generation:
         """One `/generate`. `routing_key` (the session id) goes in `X-SMG-Routing-Key`, the header
         sglang-router's `manual` policy routes by, so a session's turns stay on one engine's prefix
         cache. `rid` names the request on the engine (its logs, `/abort_request`). `images`: the
-        digests of every image of the prompt, in order (one placeholder each in `input_ids`)."""
-        return parse_generate_answer(
-            await self._post_generate(input_ids, sampling_params, routing_key, rid, images)
+        digests of every image of the prompt, in order (one placeholder each in `input_ids`).
+        `routed_experts_start`: ask for the routing of positions from there on (routing replay)."""
+        body = await self._post_generate(
+            input_ids, sampling_params, routing_key, rid, images, routed_experts_start
         )
+        if len(body) >= OFFLOAD_PARSE_BYTES:
+            return await asyncio.to_thread(parse_generate_answer, body)
+        return parse_generate_answer(body)
 
     async def generate_samples(
         self,
@@ -202,6 +215,7 @@ class SGLangClient:
         routing_key: str | None = None,
         rid: str | None = None,
         images: Sequence[bytes] = (),
+        routed_experts_start: int | None = None,
     ) -> list[Generation]:
         """n samples of one prompt in ONE `/generate` with `sampling_params.n` (a GRPO group), in
         SGLang's sample order. SGLang batches them itself (`TokenizerManager._handle_batch_request`):
@@ -218,9 +232,10 @@ class SGLangClient:
         params = {key: value for key, value in sampling_params.items() if key != "n"}
         if n > 1:
             params["n"] = n
-        return parse_generate_samples(
-            await self._post_generate(input_ids, params, routing_key, rid, images), n
-        )
+        body = await self._post_generate(input_ids, params, routing_key, rid, images, routed_experts_start)
+        if len(body) >= OFFLOAD_PARSE_BYTES:
+            return await asyncio.to_thread(parse_generate_samples, body, n)
+        return parse_generate_samples(body, n)
 
     async def _post_generate(
         self,
@@ -229,6 +244,7 @@ class SGLangClient:
         routing_key: str | None,
         rid: str | None,
         images: Sequence[bytes] = (),
+        routed_experts_start: int | None = None,
     ) -> bytes:
         """POST /generate (non-streaming, output logprobs); the body of a 200, else the upstream's failure.
         With images, `image_data` lists each as a data URI, streamed from the image store (one piece of
@@ -247,6 +263,11 @@ class SGLangClient:
             request["rid"] = rid
         if images:
             request["return_prompt_token_ids"] = True
+        if routed_experts_start is not None:
+            # Needs engines run with --enable-return-routed-experts, and a gateway that passes these
+            # fields (sglang-router 0.3.2 drops them: its GenerateRequest has no catch-all).
+            request["return_routed_experts"] = True
+            request["routed_experts_start_len"] = routed_experts_start
         payload = orjson.dumps(request, option=orjson.OPT_SERIALIZE_NUMPY)
         headers = {"content-type": "application/json"}
         if routing_key is not None:

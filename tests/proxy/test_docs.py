@@ -113,7 +113,7 @@ CODE_ARGUMENTS = {
     "error_body": 1,
     "BatchEnded": 1,
     "release": 1,
-    "_reject": 2,
+    "_reject": 3,
 }
 
 

@@ -29,7 +29,12 @@ def test_every_failure_maps_to_its_code_and_a_client_status(kind):
     answer = http_error(failure)
     assert answer.code is failure.code and answer.message == "why"
     # SGLang's failures: 502, 504
-    gateway = kind in (failures.UpstreamFailed, failures.UpstreamTimedOut, failures.UpstreamImageMismatch)
+    gateway = kind in (
+        failures.UpstreamFailed,
+        failures.UpstreamTimedOut,
+        failures.UpstreamImageMismatch,
+        failures.UpstreamRoutingMissing,
+    )
     assert 400 <= answer.status < 500 or answer.status == 503 or (gateway and answer.status in (502, 504))
     assert ("Retry-After" in answer.headers) == (answer.status == 503 or kind is failures.SessionBeingWritten)
 

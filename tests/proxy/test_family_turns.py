@@ -1,5 +1,5 @@
-"""Multi-turn, tool-using sessions through the proxy with the real vocabularies and the chat templates
-of five model families, driven by the official openai client.
+"""Multi-turn, tool-using sessions through the proxy with the real or rebuilt vocabularies and the chat
+templates of seven model families, driven by the official openai client.
 
 The upstream is the scripted stand-in (`rolloutfleet_testkit.scripted_upstream`): it answers with
 replies written in each family's real output format (reasoning, tool calls, stop token), because no

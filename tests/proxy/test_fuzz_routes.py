@@ -104,6 +104,22 @@ KEYS = [
     "regenerate",
     "samples",
     "drop_replaced",
+    # the Messages and Responses dialects
+    "system",
+    "type",
+    "tool_choice",
+    "stop_sequences",
+    "thinking",
+    "tool_use_id",
+    "input",
+    "source",
+    "instructions",
+    "previous_response_id",
+    "max_output_tokens",
+    "call_id",
+    "output",
+    "text",
+    "parallel_tool_calls",
 ]
 
 
@@ -314,6 +330,33 @@ def test_objects_nested_past_the_serializer_limit_never_get_a_5xx(proxy):
         ),
         ("chat/completions", chat_body(user, tools=[tool], tool_choice=nested)),
         ("chat/completions", chat_body(tool_round)),
+        # The Messages and Responses dialects: what they echo, map or pass on.
+        ("v1/messages", {"max_tokens": 4, "messages": user, "metadata": nested, "system": nested}),
+        ("v1/messages", {"max_tokens": 4, "messages": user, "thinking": nested, "tool_choice": nested}),
+        (
+            "v1/messages",
+            {
+                "max_tokens": 4,
+                "messages": [
+                    *user,
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "f", "input": nested}],
+                    },
+                    {
+                        "role": "user",
+                        "content": [{"type": "tool_result", "tool_use_id": "t", "content": nested}],
+                    },
+                ],
+            },
+        ),
+        ("responses", {"input": "x", "metadata": nested, "parallel_tool_calls": nested, "text": nested}),
+        ("responses", {"input": "x", "tool_choice": nested, "previous_response_id": nested}),
+        (
+            "responses",
+            {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": nested}]},
+        ),
+        ("responses", {"input": [{"type": "reasoning", "summary": nested, "content": nested}, *user]}),
     ]
     answers = [
         httpx.request(method, f"{proxy.url}{path}", headers=ADMIN, json=body)

@@ -8,6 +8,10 @@ from __future__ import annotations
 import pytest
 from rolloutfleet_proxy.reasoning_parsers import REASONING_PARSER_NAMES, SplitReply, reasoning_parser
 
+HARMONY_CALL = (
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris"}'
+)
 QWEN3_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 GLM_CALL = "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>"
 
@@ -205,6 +209,48 @@ CASES = [
         SplitReply("Opened by the prompt.", "Answer"),
         id="kimi-prompt-opened",
     ),
+    # gpt-oss: channels, not tags (SGLang's GptOssDetector). The stop token (<|return|>, <|call|>) was
+    # removed before parsing.
+    pytest.param(
+        "gpt-oss",
+        "<|channel|>analysis<|message|>The user greets me.<|end|><|start|>assistant<|channel|>final"
+        "<|message|>Hello! How can I help?",
+        False,
+        SplitReply("The user greets me.", "Hello! How can I help?"),
+        id="gpt-oss-analysis-then-final",
+    ),
+    pytest.param(
+        "gpt-oss",
+        "<|channel|>analysis<|message|>Need the weather.<|end|>" + HARMONY_CALL,
+        False,
+        SplitReply("Need the weather.", HARMONY_CALL),
+        id="gpt-oss-a-call-stays-as-written",
+    ),
+    pytest.param(
+        "gpt-oss",
+        "<|channel|>analysis<|message|>Check first.<|end|><|start|>assistant<|channel|>commentary"
+        "<|message|>Let me look that up.<|end|>" + HARMONY_CALL,
+        False,
+        SplitReply("Check first.", "Let me look that up. " + HARMONY_CALL),
+        id="gpt-oss-preamble-is-content",
+    ),
+    pytest.param(
+        "gpt-oss",
+        "<|channel|>final<|message|>Just the answer.",
+        False,
+        SplitReply(None, "Just the answer."),
+        id="gpt-oss-final-only",
+    ),
+    pytest.param(
+        "gpt-oss",
+        "<|channel|>analysis<|message|>Cut off in the middle of",
+        False,
+        SplitReply("Cut off in the middle of", ""),
+        id="gpt-oss-cut-off-in-analysis",
+    ),
+    pytest.param(
+        "gpt-oss", "No harmony at all.", False, SplitReply(None, "No harmony at all."), id="gpt-oss-plain"
+    ),
 ]
 
 
@@ -218,13 +264,16 @@ def test_prompt_opened_defaults_to_false() -> None:
 
 
 def test_parser_names_are_sglangs() -> None:
-    assert frozenset({"qwen3", "qwen3-thinking", "deepseek-r1", "glm45", "kimi"}) == REASONING_PARSER_NAMES
+    assert (
+        frozenset({"qwen3", "qwen3-thinking", "deepseek-r1", "glm45", "kimi", "gpt-oss"})
+        == REASONING_PARSER_NAMES
+    )
     for name in REASONING_PARSER_NAMES:
         assert reasoning_parser(name).name == name
 
 
 def test_unknown_parser_name_lists_the_known_ones() -> None:
-    with pytest.raises(ValueError, match="gpt-oss") as raised:
-        reasoning_parser("gpt-oss")
+    with pytest.raises(ValueError, match="mistral") as raised:
+        reasoning_parser("mistral")
     for name in REASONING_PARSER_NAMES:
         assert name in str(raised.value)

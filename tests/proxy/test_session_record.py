@@ -40,6 +40,8 @@ def _full_record() -> SessionRecord:
         turn_created=array("d", [1795000000.5]),
         image_spans=array("i", [1, 1, 1, 2, 2]),  # one image of 1 token in the prompt [5, 6]
         image_digests=array("B", b"\x0b" * 32),
+        turn_routed=array("B", [1]),
+        turn_routing_crcs=array("I", [0xDEADBEEF]),
         turn_stop_strings={0: "###"},
         idempotency_keys={"ab" * 16: 0},
         message_count=2,

@@ -1,5 +1,5 @@
 """Sessions as trees, through the official openai client, with the real vocabularies and chat templates
-of three families (Qwen3 thinking, DeepSeek-R1, Llama 3.1): compaction, retries, branches off an
+of four families (Qwen3 thinking, DeepSeek-R1, Llama 3.1, gpt-oss): compaction, retries, branches off an
 earlier turn, sub-agents with their own tools.
 
 The upstream is the scripted stand-in (`rolloutfleet_testkit.scripted_upstream`; no model here writes
@@ -46,7 +46,7 @@ SUB_TOOLS = [
 SYSTEM = {"role": "system", "content": "You are a careful research agent."}
 
 
-@pytest.fixture(scope="module", params=["qwen3", "deepseek_r1", "llama31"])
+@pytest.fixture(scope="module", params=["qwen3", "deepseek_r1", "llama31", "gpt_oss"])
 def family(request) -> ModelFamily:
     return FAMILIES[request.param]
 

@@ -14,6 +14,7 @@ from rolloutfleet_proxy.chat_tokens import TemplateError, TurnTokenizer
 from rolloutfleet_proxy.chat_tools import check_tool_results, parse_tools, template_kwargs
 from rolloutfleet_proxy.errors import ProxyError
 from rolloutfleet_proxy.history import InvalidMessage, canonical_message, extend_digest, tools_digest
+from rolloutfleet_testkit.model_families import FAMILIES
 from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.scripted_upstream import ScriptedUpstream
 from test_proxy_restart import proxy_exit
@@ -128,6 +129,18 @@ def test_template_kwargs_merge_and_reserved_names():
     assert error_code(lambda: template_kwargs({"chat_template_kwargs": [1]}, {})) == "invalid_parameter"
 
 
+def test_reasoning_effort_is_a_template_keyword_below_the_requests_own():
+    defaults = {"reasoning_effort": "medium", "a": 1}
+    assert template_kwargs({"reasoning_effort": "high"}, defaults) == {"reasoning_effort": "high", "a": 1}
+    both = {"reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "low"}}
+    assert template_kwargs(both, defaults) == {"reasoning_effort": "low", "a": 1}
+    assert template_kwargs({}, {}) == {}
+    for bad in ("extreme", 3, ["low"]):
+        assert (
+            error_code(lambda bad=bad: template_kwargs({"reasoning_effort": bad}, {})) == "invalid_parameter"
+        )
+
+
 # --- start-up refusals ------------------------------------------------------------------------------
 
 
@@ -161,8 +174,9 @@ def test_proxy_refuses_to_start_with_such_a_template(test_tokenizer_dir, tmp_pat
     assert "differently depending on the conversation before it" in log
 
 
-# Like gpt-oss's template: a tool result needs the tool call before it, so it cannot follow a reply
-# known only by its text, and tool results cannot be appended turn by turn.
+# A tool result needs the tool call before it (as in gpt-oss's template), so it cannot follow a reply
+# known only by its text; and unlike gpt-oss's, the template does not end a call with a stop token, so
+# the ids of the call's own rendering cannot be told apart from what follows: refused.
 NEEDS_THE_CALL = (
     "{% set ns = namespace(call=none) %}{% for m in messages %}"
     "{% if m['role'] == 'assistant' and m.get('tool_calls') %}"
@@ -175,6 +189,51 @@ NEEDS_THE_CALL = (
 
 def test_a_template_that_needs_the_call_is_refused_only_with_a_tool_call_parser(test_tokenizer_dir, tmp_path):
     directory = tokenizer_with_template(test_tokenizer_dir, tmp_path / "tok", NEEDS_THE_CALL)
+    hf = AutoTokenizer.from_pretrained(str(directory))
+    TurnTokenizer(hf)  # plain chat works
+    with pytest.raises(TemplateError, match="cannot render a tool result after an assistant reply"):
+        TurnTokenizer(hf, tool_results=True)
+
+
+def test_a_call_ended_on_a_stop_token_is_rendered_before_its_tool_result():
+    """gpt-oss's template names the called function in a tool result's header and ends a call with
+    <|call|>: the result is rendered after the reply's real call, from <|call|> on."""
+    directory = FAMILIES["gpt_oss"].build_cached()
+    turns = TurnTokenizer.from_path(str(directory), tool_results=True)
+    call_end = turns.hf_tokenizer.convert_tokens_to_ids("<|call|>")
+    assert turns.call_closer_id == call_end
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+    }
+    reply = {"role": "assistant", "content": None, "tool_calls": [call]}
+    result = [{"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    stopped, text = turns.continuation(result, call_end, [WEATHER], None, reply=reply)
+    assert text == (
+        '<|call|><|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"sunny"<|end|>'
+        "<|start|>assistant"
+    )
+    assert turns.decode(stopped, skip_special_tokens=False) == text.removeprefix("<|call|>")
+    cut_off, _ = turns.continuation(result, None, [WEATHER], None, reply=reply)  # no stop token: closed here
+    assert list(cut_off) == [call_end, *stopped]
+    # A user message after a call needs no call: the reply's closer stands in, as for any reply.
+    user, _ = turns.continuation([{"role": "user", "content": "Hi"}], call_end, [WEATHER], None, reply=reply)
+    assert (
+        turns.decode(user, skip_special_tokens=False) == "<|start|>user<|message|>Hi<|end|><|start|>assistant"
+    )
+    with pytest.raises(Exception, match="needs an assistant tool call"):  # the template's own refusal
+        turns.continuation(result, call_end, [WEATHER], None, reply={"role": "assistant", "content": "Hi"})
+
+
+def test_a_template_whose_call_changes_when_a_result_follows_is_refused(tmp_path):
+    source = FAMILIES["gpt_oss"].build_cached()
+    changing = FAMILIES["gpt_oss"].chat_template.replace(
+        "{{- call.arguments | tojson + '<|call|>' -}}",
+        "{{- call.arguments | tojson + ('<|call|>' if loop.last else '<|end|>') -}}",
+    )
+    assert changing != FAMILIES["gpt_oss"].chat_template
+    directory = tokenizer_with_template(source, tmp_path / "tok", changing)
     hf = AutoTokenizer.from_pretrained(str(directory))
     TurnTokenizer(hf)  # plain chat works
     with pytest.raises(TemplateError, match="cannot render a tool result after an assistant reply"):

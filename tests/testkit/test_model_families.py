@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import functools
 import json
+import os
 import pathlib
 
 import pytest
@@ -22,9 +23,13 @@ from rolloutfleet_testkit.model_families import (
 )
 from rolloutfleet_testkit.model_families.builder import (
     CL100K_PATTERN,
+    KIMI_PATTERN,
     MARKER_NAME,
+    O200K_PATTERN,
     QWEN_PATTERN,
+    o200k_ranks_file,
     qwen_ranks_file,
+    tiktoken_file_bytes,
 )
 
 WEATHER_TOOL = {
@@ -130,6 +135,25 @@ GLM_CALLS = (
 
 GLM_RESULTS = "\n<tool_response>\n18°C, sunny\n</tool_response>\n<tool_response>\n4°C, snow\n</tool_response>"
 
+GPT_OSS_SYSTEM = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Knowledge cutoff: 2024-06\nCurrent date: 2025-08-05\n\nReasoning: medium\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+)
+GPT_OSS_CALL = (
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json"
+    '<|message|>{"city": "Paris"}<|call|>'
+)
+GPT_OSS_TOOLS = (
+    "# Tools\n\n## functions\n\nnamespace functions {\n\n// Current weather in a city\n"
+    "type get_weather = (_: {\ncity: string,\n}) => any;\n\n} // namespace functions"
+)
+KIMI_TOOLS = (
+    "<|im_system|>tool_declare<|im_middle|>"
+    + json.dumps([WEATHER_TOOL], ensure_ascii=False, separators=(",", ":"))
+    + "<|im_end|>"
+)
+
 EXPECTED_RENDERING = {
     "qwen3": CHATML_RENDERING
     + "<|im_start|>assistant\nParis: 18°C, sunny. Oslo: 4°C, snow.<|im_end|>\n"
@@ -160,6 +184,29 @@ EXPECTED_RENDERING = {
     + f"<|observation|>{GLM_RESULTS}"
     + "<|assistant|>\n<think></think>\nParis: 18°C, sunny. Oslo: 4°C, snow."
     + "<|user|>\nThanks! Which is warmer?<|assistant|>",
+    # One call per message; the call's content-less reply has no analysis; the tool result names the
+    # function and is JSON-encoded.
+    "gpt_oss": GPT_OSS_SYSTEM
+    + "\nCalls to these tools must go to the commentary channel: 'functions'.<|end|>"
+    + f"<|start|>developer<|message|># Instructions\n\nYou are a weather bot.\n\n{GPT_OSS_TOOLS}<|end|>"
+    + "<|start|>user<|message|>Weather in Paris?<|end|>"
+    + GPT_OSS_CALL
+    + '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"18°C, sunny"<|end|>'
+    + "<|start|>assistant<|channel|>final<|message|>Paris: 18°C, sunny.<|end|>"
+    + "<|start|>user<|message|>Thanks! Which is warmer?<|end|><|start|>assistant",
+    # Kimi K2 keeps whatever content holds, reasoning included; no text between messages.
+    "kimi_k2": KIMI_TOOLS
+    + "<|im_system|>system<|im_middle|>You are a weather bot.<|im_end|>"
+    + "<|im_user|>user<|im_middle|>Weather in Paris and Oslo?<|im_end|>"
+    + "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|>"
+    + '<|tool_call_begin|>call_1<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+    + '<|tool_call_begin|>call_2<|tool_call_argument_begin|>{"city": "Oslo"}<|tool_call_end|>'
+    + "<|tool_calls_section_end|><|im_end|>"
+    + "<|im_system|>tool<|im_middle|>## Return of call_1\n18°C, sunny<|im_end|>"
+    + "<|im_system|>tool<|im_middle|>## Return of call_2\n4°C, snow<|im_end|>"
+    + "<|im_assistant|>assistant<|im_middle|><think>\nBoth answered.\n</think>\n\n"
+    + "Paris: 18°C, sunny. Oslo: 4°C, snow.<|im_end|>"
+    + "<|im_user|>user<|im_middle|>Thanks! Which is warmer?<|im_end|><|im_assistant|>assistant<|im_middle|>",
 }
 
 
@@ -213,6 +260,8 @@ FILES = {
     "llama31": ("<|begin_of_text|>", "<|eot_id|>", [128001, 128008, 128009], 128256),
     "deepseek_r1": ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", [1], 129280),
     "glm45": (None, "<|endoftext|>", [151329, 151336, 151338], 151365),
+    "gpt_oss": ("<|startoftext|>", "<|return|>", [200002, 199999, 200012], 200019),
+    "kimi_k2": ("[BOS]", "[EOS]", [163586], 163840),
 }
 
 
@@ -314,6 +363,34 @@ SPECIAL_IDS = {
 }
 
 
+SPECIAL_IDS["gpt_oss"] = (
+    "<|startoftext|><|start|><|channel|><|message|><|constrain|><|end|><|call|><|return|><|endoftext|>"
+    "<|reserved_200017|><|endofprompt|>",
+    [199998, 200006, 200005, 200008, 200003, 200007, 200012, 200002, 199999, 200017, 200018],
+)
+SPECIAL_IDS["kimi_k2"] = (
+    "[BOS]<|im_system|><|im_user|><|im_assistant|><|im_middle|><|im_end|><|tool_calls_section_begin|>"
+    "<|tool_call_begin|><|tool_call_argument_begin|><|tool_call_end|><|tool_calls_section_end|>[EOS]"
+    "<|reserved_token_163600|>[PAD]",
+    [
+        163584,
+        163594,
+        163587,
+        163588,
+        163601,
+        163586,
+        163595,
+        163597,
+        163598,
+        163599,
+        163596,
+        163585,
+        163600,
+        163839,
+    ],
+)
+
+
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_special_tokens_encode_to_their_real_ids(name, load):
     text, ids = SPECIAL_IDS[name]
@@ -332,11 +409,21 @@ def test_qwen_ordinary_text_encodes_to_qwens_own_ids(load):
         assert encode(load(name), "Hello world 2024") == [9707, 1879, 220, 17, 15, 17, 19]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen25", "llama31", "glm45"])
+PATTERNS = {
+    "qwen3": QWEN_PATTERN,
+    "qwen25": QWEN_PATTERN,
+    "llama31": CL100K_PATTERN,
+    "glm45": CL100K_PATTERN,
+    "gpt_oss": O200K_PATTERN,
+    "kimi_k2": KIMI_PATTERN,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PATTERNS))
 def test_pre_tokenizer_is_the_familys(name, family_dirs):
     pre_tokenizer = json.loads((family_dirs[name] / "tokenizer.json").read_text())["pre_tokenizer"]
     split, byte_level = pre_tokenizer["pretokenizers"]
-    assert split["pattern"]["Regex"] == (QWEN_PATTERN if name.startswith("qwen") else CL100K_PATTERN)
+    assert split["pattern"]["Regex"] == PATTERNS[name]
     assert (split["behavior"], byte_level["type"], byte_level["use_regex"]) == (
         "Isolated",
         "ByteLevel",
@@ -383,7 +470,7 @@ def test_qwen_normalizes_to_nfc_and_llama_does_not(load):
 
 @pytest.mark.parametrize("name", FAMILY_NAMES)
 def test_template_renders_a_conversation_with_tools(name, load):
-    messages = LLAMA_CONVERSATION if name == "llama31" else CONVERSATION
+    messages = LLAMA_CONVERSATION if FAMILIES[name].single_call else CONVERSATION
     assert render(load(name), messages, add_generation_prompt=True) == EXPECTED_RENDERING[name]
 
 
@@ -502,6 +589,8 @@ USER_STARTS = {
     "llama31": "<|start_header_id|>user",
     "deepseek_r1": "<｜User｜>",
     "glm45": "<|user|>",
+    "gpt_oss": "<|start|>user",
+    "kimi_k2": "<|im_user|>user",
 }
 
 
@@ -519,11 +608,17 @@ EXPECTED_REPLIES = {
     "qwen25": f"Checking.\n{PARIS_CALL_HERMES}\n{OSLO_CALL_HERMES}<|im_end|>",
     "deepseek_r1": f"Two cities, two calls.\n</think>\n\nChecking.{DEEPSEEK_CALLS}<｜end▁of▁sentence｜>",
     "glm45": f"\n<think>Two cities, two calls.</think>\nChecking.{GLM_CALLS}<|observation|>",
+    "kimi_k2": "Checking.<|tool_calls_section_begin|>"
+    + "<|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+    + '{"city": "Paris"}<|tool_call_end|>'
+    + "<|tool_call_begin|>functions.get_weather:1<|tool_call_argument_begin|>"
+    + '{"city": "Oslo"}<|tool_call_end|>'
+    + "<|tool_calls_section_end|><|im_end|>",
 }
 TWO_CALLS = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
 
 
-@pytest.mark.parametrize("name", ["qwen3", "qwen25", "deepseek_r1", "glm45"])
+@pytest.mark.parametrize("name", ["qwen3", "qwen25", "deepseek_r1", "glm45", "kimi_k2"])
 def test_model_reply_text_is_the_familys_output_format(name, load):
     family = FAMILIES[name]
     reasoning = None if family.reasoning_parser is None else "Two cities, two calls."
@@ -542,6 +637,8 @@ def test_model_reply_text_without_tool_calls_and_without_reasoning(load):
     assert FAMILIES["glm45"].model_reply_text(None, "Hi!") == "\nHi!<|user|>"
     assert encode(load("glm45"), "\nHi!<|user|>")[-1] == 151336
     assert FAMILIES["llama31"].model_reply_text(None, "Hi!") == "Hi!<|eot_id|>"
+    assert FAMILIES["kimi_k2"].model_reply_text(None, "Hi!") == "Hi!<|im_end|>"
+    assert FAMILIES["gpt_oss"].model_reply_text(None, "Hi!") == "<|channel|>final<|message|>Hi!<|return|>"
 
 
 def test_llama31_reply_is_one_json_call_ended_by_eot(load):
@@ -560,27 +657,33 @@ def test_llama31_reply_is_one_json_call_ended_by_eot(load):
         FAMILIES["qwen25"].model_reply_text("why", "Hi", [])
 
 
-def parsed_reply(reasoning: str | None, content: str, calls: list) -> dict:
+def parsed_reply(reasoning: str | None, content: str, calls: list, ids: tuple[str, ...] = ()) -> dict:
     """The assistant message SGLang's parsers make of a reply, as a client sends it back."""
     message = {"role": "assistant", "content": content or None}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
     if calls:
-        message["tool_calls"] = [call(f"call_{index}", args["city"]) for index, (_, args) in enumerate(calls)]
+        ids = ids or tuple(f"call_{index}" for index in range(len(calls)))
+        message["tool_calls"] = [call(ids[index], args["city"]) for index, (_, args) in enumerate(calls)]
     return message
 
 
-@pytest.mark.parametrize("name", FAMILY_NAMES)
+# gpt-oss's template writes a call in its own way, not as the model does (test below).
+@pytest.mark.parametrize("name", [name for name in FAMILY_NAMES if name != "gpt_oss"])
 def test_template_renders_the_reply_as_the_model_wrote_it(name, load):
     """The latest reply re-rendered by the template is the model's own text (DeepSeek-R1 drops its
     reasoning): the reference the proxy's incremental tokenization is checked against."""
     family, tokenizer = FAMILIES[name], load(name)
     reasoning = None if family.reasoning_parser is None else "Two cities, two calls."
-    calls = TWO_CALLS[:1] if name == "llama31" else TWO_CALLS
+    calls = TWO_CALLS[:1] if family.single_call else TWO_CALLS
     reply = family.model_reply_text(reasoning, "", calls)
     prompt = render(tokenizer, [ASK], add_generation_prompt=True)
+    # Kimi's calls carry the ids the model wrote, and its tool results name them.
+    ids = ("functions.get_weather:0", "functions.get_weather:1") if name == "kimi_k2" else ()
     results = [PARIS_RESULT, OSLO_RESULT][: len(calls)]
-    rendered = render(tokenizer, [ASK, parsed_reply(reasoning, "", calls), *results])
+    if ids:
+        results = [{**result, "tool_call_id": ids[index]} for index, result in enumerate(results)]
+    rendered = render(tokenizer, [ASK, parsed_reply(reasoning, "", calls, ids), *results])
     stop = next(token for token in family.stop_tokens if reply.endswith(token))
     if name == "deepseek_r1":
         prompt, reply = prompt.removesuffix("<think>\n"), reply.split("\n</think>\n\n", 1)[1]
@@ -592,6 +695,8 @@ def test_template_renders_the_reply_as_the_model_wrote_it(name, load):
         "<｜tool▁output▁begin｜>4°C, snow<｜tool▁output▁end｜><｜tool▁outputs▁end｜>",
         # GLM's stop token is where the template starts the tool results.
         "glm45": GLM_RESULTS,
+        "kimi_k2": "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n18°C, sunny<|im_end|>"
+        "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:1\n4°C, snow<|im_end|>",
     }
     expected_results["qwen25"] = expected_results["qwen3"]
     end = family.assistant_end if name != "glm45" else stop
@@ -631,4 +736,192 @@ def test_registry_names_sglang_parsers():
         "llama31": ("llama3", None),
         "deepseek_r1": ("deepseekv3", "deepseek-r1"),
         "glm45": ("glm45", "glm45"),
+        "gpt_oss": ("gpt-oss", "gpt-oss"),
+        "kimi_k2": ("kimi_k2", None),
     }
+
+
+# --- gpt-oss against the official harmony library ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def harmony(tmp_path_factory):
+    """openai-harmony's gpt-oss encoding, offline: it loads o200k_base.tiktoken from
+    TIKTOKEN_ENCODINGS_BASE and checks the file's SHA-256, so this also proves the test vocabulary's
+    source file is the real one."""
+    from openai_harmony import HarmonyEncodingName, load_harmony_encoding
+
+    directory = tmp_path_factory.mktemp("tiktoken")
+    (directory / "o200k_base.tiktoken").write_bytes(tiktoken_file_bytes(o200k_ranks_file()))
+    before = os.environ.get("TIKTOKEN_ENCODINGS_BASE")
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(directory)
+    try:
+        return load_harmony_encoding(HarmonyEncodingName.HARMONY_GPT_OSS)
+    finally:
+        if before is None:
+            del os.environ["TIKTOKEN_ENCODINGS_BASE"]
+        else:
+            os.environ["TIKTOKEN_ENCODINGS_BASE"] = before
+
+
+def test_gpt_oss_vocabulary_is_harmonys(harmony, load):
+    tokenizer = load("gpt_oss")
+    texts = [
+        UNICODE_TEXT,
+        "I'LL say DON'T; path/to/file.py // x\n\n\n  indented 12345678",
+        EXPECTED_RENDERING["gpt_oss"],
+        FAMILIES["gpt_oss"].model_reply_text("Think.", "", TWO_CALLS[:1]),
+    ]
+    for text in texts:
+        assert encode(tokenizer, text) == harmony.encode(text, allowed_special="all")
+    # gpt-oss's tokenizer.json names 200018 <|endofprompt|>; harmony leaves it reserved.
+    for token_id in range(199998, 200018):
+        assert tokenizer.convert_ids_to_tokens(token_id) == harmony.decode([token_id])
+    assert harmony.decode([200018]) == "<|reserved_200018|>"
+
+
+def test_gpt_oss_template_renders_as_harmony_but_for_three_things(harmony, load):
+    """The template (what SGLang renders chat requests with) and the harmony library agree on a tool
+    conversation, except that the template writes a call's constraint as plain text (`commentary json`,
+    harmony `commentary <|constrain|>json`), JSON-encodes a tool result's content and, without
+    instructions, starts the developer message with a blank line."""
+    from openai_harmony import (
+        Author,
+        Conversation,
+        DeveloperContent,
+        Message,
+        Role,
+        SystemContent,
+        ToolDescription,
+    )
+
+    function = WEATHER_TOOL["function"]
+    tools = [
+        ToolDescription.new(function["name"], function["description"], parameters=function["parameters"])
+    ]
+    system = SystemContent.new().with_conversation_start_date("2025-08-05")
+    developer = DeveloperContent.new().with_instructions("You are a weather bot.").with_function_tools(tools)
+    messages = [
+        Message.from_role_and_content(Role.SYSTEM, system),
+        Message.from_role_and_content(Role.DEVELOPER, developer),
+        Message.from_role_and_content(Role.USER, "Weather in Paris?"),
+        Message.from_role_and_content(Role.ASSISTANT, '{"city": "Paris"}')
+        .with_channel("commentary")
+        .with_recipient("functions.get_weather")
+        .with_content_type("<|constrain|>json"),
+        Message.from_author_and_content(Author.new(Role.TOOL, "functions.get_weather"), "18°C, sunny")
+        .with_channel("commentary")
+        .with_recipient("assistant"),
+        Message.from_role_and_content(Role.ASSISTANT, "Paris: 18°C, sunny.").with_channel("final"),
+        Message.from_role_and_content(Role.USER, "Thanks! Which is warmer?"),
+    ]
+    official = harmony.decode(
+        harmony.render_conversation_for_completion(Conversation.from_messages(messages), Role.ASSISTANT)
+    )
+    rendered = render(load("gpt_oss"), LLAMA_CONVERSATION, add_generation_prompt=True)
+    assert rendered == EXPECTED_RENDERING["gpt_oss"]
+    assert (
+        "commentary <|constrain|>json<|message|>" in official and "<|message|>18°C, sunny<|end|>" in official
+    )
+    assert rendered == official.replace("commentary <|constrain|>json", "commentary json").replace(
+        "<|message|>18°C, sunny<|end|>", '<|message|>"18°C, sunny"<|end|>'
+    )
+    tools_only = DeveloperContent.new().with_function_tools(tools)
+    question = Message.from_role_and_content(Role.USER, "Hi")
+    official = harmony.decode(
+        harmony.render_conversation_for_completion(
+            Conversation.from_messages(
+                [messages[0], Message.from_role_and_content(Role.DEVELOPER, tools_only), question]
+            ),
+            Role.ASSISTANT,
+        )
+    )
+    rendered = render(load("gpt_oss"), [{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert rendered == official.replace("<|start|>developer<|message|>", "<|start|>developer<|message|>\n\n")
+
+
+@pytest.mark.parametrize(
+    ("content", "calls", "expected"),
+    [
+        (
+            "It is sunny.",
+            [],
+            [("analysis", None, "Two cities, two calls."), ("final", None, "It is sunny.")],
+        ),
+        (
+            "",
+            TWO_CALLS[:1],
+            [
+                ("analysis", None, "Two cities, two calls."),
+                ("commentary", "functions.get_weather", '{"city": "Paris"}'),
+            ],
+        ),
+    ],
+)
+def test_gpt_oss_reply_is_harmony_as_the_official_parser_reads_it(harmony, load, content, calls, expected):
+    from openai_harmony import Role
+
+    family = FAMILIES["gpt_oss"]
+    ids = encode(load("gpt_oss"), family.model_reply_text("Two cities, two calls.", content, calls))
+    assert ids[-1] in harmony.stop_tokens_for_assistant_actions()
+    parsed = harmony.parse_messages_from_completion_tokens(ids, Role.ASSISTANT)
+    assert [(m.channel, m.recipient, m.content[0].text) for m in parsed] == expected
+    with pytest.raises(ValueError):
+        family.model_reply_text(None, "Checking.", TWO_CALLS[:1])
+    with pytest.raises(ValueError):
+        family.model_reply_text(None, "", TWO_CALLS)
+
+
+def test_gpt_oss_template_writes_a_call_its_own_way_and_needs_it_before_a_result(load):
+    """Why the proxy keeps the model's ids: the template re-renders a call with the recipient before the
+    channel and no constraint token, and keeps the call's reasoning (transformers hands the template
+    `reasoning_content` as `thinking`) only until a final answer follows."""
+    tokenizer = load("gpt_oss")
+    reply = parsed_reply("Two cities, two calls.", "", TWO_CALLS[:1])
+    analysis = "<|start|>assistant<|channel|>analysis<|message|>Two cities, two calls.<|end|>"
+    result = '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"18°C, sunny"<|end|>'
+    ask = "<|start|>user<|message|>Weather in Paris and Oslo?<|end|>"
+    assert render(tokenizer, [ASK, reply, PARIS_RESULT]).endswith(ask + analysis + GPT_OSS_CALL + result)
+    answered = render(
+        tokenizer, [ASK, reply, PARIS_RESULT, {"role": "assistant", "content": "Sunny."}, THANKS]
+    )
+    assert (
+        ask + GPT_OSS_CALL + result + "<|start|>assistant<|channel|>final<|message|>Sunny.<|end|>" in answered
+    )
+    with pytest.raises(Exception, match="content and thinking"):  # which would be the analysis?
+        render(tokenizer, [ASK, {**reply, "content": "Checking."}, PARIS_RESULT])
+    with pytest.raises(Exception, match="needs an assistant tool call before it"):
+        render(tokenizer, [ASK, {"role": "assistant", "content": "Hi"}, PARIS_RESULT])
+    # A final answer ends with <|return|> only as the last message of a training sample.
+    answer = {"role": "assistant", "content": "Sunny.", "thinking": "Easy."}
+    assert render(tokenizer, [ASK, answer]).endswith(
+        "<|start|>assistant<|channel|>analysis<|message|>Easy.<|end|>"
+        "<|start|>assistant<|channel|>final<|message|>Sunny.<|return|>"
+    )
+
+
+def test_kimi_k2_template_adds_its_system_prompt_and_names_tool_results(load):
+    tokenizer = load("kimi_k2")
+    named = {
+        "role": "tool",
+        "tool_call_id": "functions.get_weather:0",
+        "name": "get_weather",
+        "content": "18°C",
+    }
+    rendered = render(
+        tokenizer, [ASK, parsed_reply(None, "", TWO_CALLS[:1], ("functions.get_weather:0",)), named]
+    )
+    assert rendered.startswith(
+        KIMI_TOOLS
+        + "<|im_system|>system<|im_middle|>You are Kimi, an AI assistant created by Moonshot AI.<|im_end|>"
+    )
+    assert rendered.endswith(
+        "<|im_system|>get_weather<|im_middle|>## Return of functions.get_weather:0\n18°C<|im_end|>"
+    )
+
+
+def test_kimi_k2_pre_tokenizer_splits_han_from_other_letters(load):
+    pre_tokenizer = load("kimi_k2").backend_tokenizer.pre_tokenizer
+    text = "天气Weather好 ok"
+    pieces = [text[start:end] for _, (start, end) in pre_tokenizer.pre_tokenize_str(text)]
+    assert pieces == ["天气", "Weather", "好", " ok"]

@@ -46,6 +46,8 @@ class ErrorCode(StrEnum):
     INVALID_TOOL_CHOICE = "invalid_tool_choice"  # 400
     UNKNOWN_TOOL_CALL_ID = "unknown_tool_call_id"  # 400
     NO_NEW_MESSAGES = "no_new_messages"  # 400: nothing after the recorded history
+    # 400: a Responses request's previous_response_id names no delivered turn of its session
+    PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"
     NEW_MESSAGES_TOO_LARGE = "new_messages_too_large"  # 400
     # Images (vision-language models): a broken or unreadable image, or a format not allowed; one over
     # max_image_bytes or a request's images over max_request_image_bytes; video, audio or file parts,
@@ -69,6 +71,11 @@ class ErrorCode(StrEnum):
     # gives (the engine runs with another processor configuration), or changed an earlier image's
     # count: the trajectory could not be trained on; nothing was recorded. Not retryable.
     UPSTREAM_IMAGE_MISMATCH = "upstream_image_mismatch"
+    # 502: routing replay is on, and SGLang answered without the routing of every token (an engine not
+    # run with --enable-return-routed-experts, a gateway that drops return_routed_experts), or with
+    # routing that does not fit the model: a trajectory without it could not be replayed; nothing was
+    # recorded. Not retryable.
+    UPSTREAM_ROUTING_MISSING = "upstream_routing_missing"
     # 499 (nginx's "client closed request"): the client went away during its turn, which was cancelled
     # unrecorded; nobody reads this answer, the access log and the counters do.
     CLIENT_CLOSED_REQUEST = "client_closed_request"

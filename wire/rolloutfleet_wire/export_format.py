@@ -30,10 +30,18 @@ Images (vision-language sessions; I images over the batch's samples, D distinct 
     image_spans    int32   [I, 2]  per image [offset, tokens]: its run of image tokens in its trajectory
     image_grid_thw int32   [I, 3]  per image its grid (t, h, w) in patches, as the engine's processor made it
     cu_images      int64   [B+1]   trajectory i has images cu_images[i]:cu_images[i+1]
+Routing replay (mixture-of-experts models, when the fleet records it; R rows over the batch):
+    routed_experts uint8|uint16|uint32 [R, layers, top_k]  the experts each token was routed to, in the
+                                   smallest type that holds the expert count: a trajectory of n tokens
+                                   has the rows of its first n - 1 (its last token was never forwarded,
+                                   as in SGLang's answer), or none when some turn of it was recorded
+                                   without routing
+    cu_routed_experts int64 [B+1]  trajectory i has rows cu_routed_experts[i]:cu_routed_experts[i+1]
 The metadata key `rolloutfleet.export` holds a JSON header (batch id, per-trajectory session ids and
 metadata, and each trajectory's place in its session's tree: `sample` = {turn, parent, call, path};
 for a vision-language model `vision` = {image_token_id, processor_config}: the model directory's
-`preprocessor_config.json`, with which a trainer rebuilds `pixel_values` from the image bytes).
+`preprocessor_config.json`, with which a trainer rebuilds `pixel_values` from the image bytes; with
+routing replay `routed_experts` = {layers, top_k, experts, dtype}).
 A trajectory is one sample of a session (`session_tree.SampleShape`): by default the path to its
 latest turn (all of a linear session), or one per leaf, or one per turn. Every function here is
 blocking CPU work: call it from a worker thread.
@@ -53,6 +61,7 @@ import orjson
 from safetensors.numpy import load as safetensors_load
 from safetensors.numpy import save as safetensors_save
 
+from .routed_experts import RoutingShape, path_rows, row_offsets
 from .session_record import (
     DIGEST_BYTES,
     FINISH_NAMES,
@@ -65,10 +74,10 @@ from .session_record import (
 from .session_tree import SampleShape, samples
 
 FORMAT = "rolloutfleet.export"
-FORMAT_VERSION = 4
-# Version 1 had no turn_temperatures / turn_tempered, 2 no turn_finishes, 3 no images; their batches
-# (restored after an upgrade) still read.
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+# Version 1 had no turn_temperatures / turn_tempered, 2 no turn_finishes, 3 no images, 4 no routing;
+# their batches (restored after an upgrade) still read.
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 MEDIA_TYPE = "application/vnd.rolloutfleet.safetensors"
 
 TENSOR_DTYPES = {
@@ -92,7 +101,9 @@ TENSOR_DTYPES = {
     "image_spans": np.int32,
     "image_grid_thw": np.int32,
     "cu_images": np.int64,
+    "cu_routed_experts": np.int64,
 }
+# routed_experts' dtype is the header's: the smallest unsigned type that holds the expert count.
 IMAGE_SPAN_FIELDS = 2  # offset, tokens
 GRID_FIELDS = 3  # t, h, w
 
@@ -105,6 +116,15 @@ class ExportImages:
     read: Callable[[bytes], bytes]
     image_token_id: int
     processor_config: dict[str, Any]  # preprocessor_config.json's content
+
+
+@dataclass(frozen=True)
+class ExportRouting:
+    """Routing replay's rows of a session (`read`, blocking: every turn's rows in recording order,
+    as routed_experts.row_offsets lays them out) and their shape."""
+
+    read: Callable[[SessionRecord], bytes]
+    shape: RoutingShape
 
 
 class BatchFormatError(ValueError):
@@ -154,6 +174,9 @@ class DecodedBatch:
             ],
             "images": [self._image(k, image_bytes) for k in self.image_range(i)],
             **({"vision": self.vision} if image_bytes else {}),
+            # Routing replay's rows stay in the tensors (`routed_experts(i)`): as lists, a 32k-token
+            # trajectory's would be 12.6 million Python ints.
+            "routed_experts_rows": len(self.routed_experts(i)),
         }
 
     def _image(self, k: int, with_bytes: bool) -> dict[str, Any]:
@@ -167,6 +190,17 @@ class DecodedBatch:
         if with_bytes:
             image["data"] = self.image_bytes(k)
         return image
+
+    @property
+    def routing(self) -> RoutingShape | None:
+        """The shape of the batch's routing replay rows, if it has any."""
+        value = self.header.get("routed_experts")
+        return None if value is None else RoutingShape.from_json(value)
+
+    def routed_experts(self, i: int) -> np.ndarray:
+        """Trajectory i's routing rows [tokens - 1, layers, top_k] (none: [0, layers, top_k])."""
+        cu = self.tensors["cu_routed_experts"]
+        return self.tensors["routed_experts"][int(cu[i]) : int(cu[i + 1])]
 
     @property
     def vision(self) -> dict[str, Any] | None:
@@ -249,22 +283,61 @@ def _no_images(trajectories: int) -> dict[str, np.ndarray]:
     }
 
 
+def _routing_tensors(
+    sessions: list[SessionRecord], sample_turns: list[list[int]], routing: ExportRouting | None
+) -> dict[str, np.ndarray]:
+    """Each sample's routing rows (gathered from its session's rows like its tokens), or none."""
+    if routing is None:
+        return _no_routing(sum(len(turns) for turns in sample_turns))
+    shape = routing.shape
+    parts: list[np.ndarray] = []
+    counts: list[int] = []
+    for session, turns in zip(sessions, sample_turns, strict=True):
+        offsets = row_offsets(session)
+        rows = np.frombuffer(routing.read(session), shape.dtype).reshape(-1, shape.layers, shape.top_k)
+        if len(rows) != offsets[-1]:
+            raise ValueError(f"session {session.session_id} has {len(rows)} routing rows, not {offsets[-1]}")
+        for turn in turns:
+            taken = [rows[start:end] for start, end in path_rows(session, turn, offsets) or ()]
+            parts.extend(taken)
+            counts.append(sum(len(p) for p in taken))
+    return {
+        "routed_experts": np.concatenate(parts)
+        if parts
+        else np.zeros((0, shape.layers, shape.top_k), shape.dtype),
+        "cu_routed_experts": np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.int64),
+    }
+
+
+def _no_routing(trajectories: int) -> dict[str, np.ndarray]:
+    """The routing tensors of a batch without routing replay."""
+    return {
+        "routed_experts": np.zeros((0, 0, 0), np.uint8),
+        "cu_routed_experts": np.zeros(trajectories + 1, np.int64),
+    }
+
+
 def encode_batch(
     batch_id: str,
     sessions: list[SessionRecord],
     model_version: int,
     shape: SampleShape | None = None,
     images: ExportImages | None = None,
+    routing: ExportRouting | None = None,
 ) -> bytes:
     """The safetensors bytes of one batch of finished sessions, each as the samples `shape` asks;
-    a vision-language model's (`images`) with their images and its processor configuration."""
+    a vision-language model's (`images`) with their images and its processor configuration; with
+    routing replay (`routing`) each sample's routing rows."""
     shape = shape or SampleShape()
     records: list[SessionRecord] = []
     places: list[dict[str, Any]] = []
+    sample_turns: list[list[int]] = []
     for session in sessions:
+        sample_turns.append([])
         for record, place in samples(session, shape):
             records.append(record)
             places.append(place)
+            sample_turns[-1].append(place["turn"])
     lengths = [len(r.token_ids) for r in records]
     turn_counts = [len(r.turn_bounds) // TURN_BOUND_FIELDS for r in records]
     tensors = {
@@ -295,6 +368,7 @@ def encode_batch(
             [turn_finish(r, t) for r, n in zip(records, turn_counts, strict=True) for t in range(n)], np.uint8
         ),
         **_image_tensors(records, images),
+        **_routing_tensors(sessions, sample_turns, routing),
     }
     header = {
         "format": FORMAT,
@@ -313,6 +387,7 @@ def encode_batch(
         "vision": None
         if images is None
         else {"image_token_id": images.image_token_id, "processor_config": images.processor_config},
+        "routed_experts": None if routing is None else routing.shape.to_json(),
     }
     return safetensors_save(tensors, metadata={FORMAT: orjson.dumps(header).decode()})
 
@@ -343,6 +418,9 @@ def decode_batch(data: bytes) -> DecodedBatch:
     if header["format_version"] < 4:
         for name, empty in _no_images(len(tensors.get("rewards", ()))).items():
             tensors.setdefault(name, empty)
+    if header["format_version"] < 5:
+        for name, empty in _no_routing(len(tensors.get("rewards", ()))).items():
+            tensors.setdefault(name, empty)
     for name, dtype in TENSOR_DTYPES.items():
         if name not in tensors or tensors[name].dtype != dtype:
             raise BatchFormatError(f"tensor {name} is missing or not {np.dtype(dtype).name}")
@@ -362,10 +440,28 @@ def decode_batch(data: bytes) -> DecodedBatch:
         and len(t["turn_finishes"]) == len(t["turn_versions"])
         and isinstance(header.get("batch_id"), str)
         and _images_consistent(t, b)
+        and _routing_consistent(header, t, b)
     )
     if not consistent:
         raise BatchFormatError("tensors and header of the batch do not agree")
     return DecodedBatch(header, tensors)
+
+
+def _routing_consistent(header: dict[str, Any], t: dict[str, np.ndarray], trajectories: int) -> bool:
+    """Rows of the header's shape and dtype; each trajectory has none or one per token but its last."""
+    rows, cu = t.get("routed_experts"), t["cu_routed_experts"]
+    if rows is None or len(cu) != trajectories + 1 or int(cu[0]) != 0 or int(cu[-1]) != len(rows):
+        return False
+    counts, lengths = np.diff(cu), np.diff(t["cu_seqlens"])
+    if not bool(np.all((counts == 0) | (counts == np.maximum(lengths - 1, 0)))):
+        return False
+    if header.get("routed_experts") is None:
+        return len(rows) == 0
+    try:
+        shape = RoutingShape.from_json(header["routed_experts"])
+    except (KeyError, TypeError, ValueError):
+        return False
+    return rows.dtype == shape.dtype and rows.shape[1:] == (shape.layers, shape.top_k)
 
 
 def _images_consistent(t: dict[str, np.ndarray], trajectories: int) -> bool:

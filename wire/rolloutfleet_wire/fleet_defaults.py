@@ -13,6 +13,7 @@ PROXY_REPLICAS: Final = 1
 PROXY_IMAGE_PULL_POLICY: Final = "IfNotPresent"
 PROXY_PORT: Final = 8000
 PROXY_ENGINE_LOGPROBS: Final = "tempered"
+PROXY_ROUTED_EXPERTS: Final = False
 PROXY_STALE_SESSION_TIMEOUT_SECONDS: Final = 1800
 PROXY_CLEANUP_INTERVAL_SECONDS: Final = 30
 PROXY_DRAIN_GRACE_SECONDS: Final = 25
@@ -60,6 +61,7 @@ SPEC_DEFAULTS: Final[dict[str, bool | int | float | str]] = {
     "proxy.imagePullPolicy": PROXY_IMAGE_PULL_POLICY,
     "proxy.port": PROXY_PORT,
     "proxy.engineLogprobs": PROXY_ENGINE_LOGPROBS,
+    "proxy.routedExperts": PROXY_ROUTED_EXPERTS,
     "proxy.staleSessionTimeoutSeconds": PROXY_STALE_SESSION_TIMEOUT_SECONDS,
     "proxy.cleanupIntervalSeconds": PROXY_CLEANUP_INTERVAL_SECONDS,
     "proxy.drainGraceSeconds": PROXY_DRAIN_GRACE_SECONDS,

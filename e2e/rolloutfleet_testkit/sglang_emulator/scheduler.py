@@ -18,6 +18,13 @@ Behaviours and where SGLang has them:
   cached prefix of its input as `cached_tokens` (`radix_cache.py`). A request with max_new_tokens 0
   is prefill-only (`Req.is_prefill_only`): it ends at once with finish length 0, its whole input
   cached (the prefill's one sampled token has no KV).
+- Constrained decoding (`grammar.py`, xgrammar as SGLang's default backend): a request with a grammar
+  has its next token's logits masked to what the grammar allows, before sampling and for its logprob,
+  and ends when the grammar has terminated (`Req.check_finished`).
+- Routing replay (a mixture-of-experts model): each position the model consumes is routed
+  (`model.route`); a request keeps the routing of every position it forwarded, prefill and decode, as
+  SGLang's capturer keeps it per KV slot (`RoutedExpertsCapturer`), recomputed when a retracted
+  request is prefilled again (the same weights: the same rows, as its cached slots would hold).
 - Parallel sampling (`submit_group`, `TokenizerManager._handle_batch_request` with n > 1): the group
   passes the pause gate once; a prefill-only request puts the prompt in the cache ("Cache the common
   prefix for parallel sampling"), then the n samples run as n independent requests, each with its own
@@ -32,9 +39,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from .model import DEFAULT_SAMPLING_SEED, TinyCausalLM, nucleus_sample, token_logprob
+from .grammar import TokenMask
+from .model import DEFAULT_SAMPLING_SEED, MoeHidden, TinyCausalLM, nucleus_sample, token_logprob
 from .protocol import Sampling, finish_reason
 from .radix_cache import RadixCache
 
@@ -62,6 +71,14 @@ class Request:
     steps: asyncio.Queue = field(default_factory=asyncio.Queue)
     # What the model embeds at the prompt's positions when that differs from input_ids (images).
     embed_ids: list[int] | None = None
+    # The request's grammar state (grammar.py), when its sampling parameters constrain it.
+    grammar: TokenMask | None = None
+    # A mixture of experts: the routing of each position forwarded so far ([rows, layers, top_k] pieces).
+    routing: list[np.ndarray] = field(default_factory=list)
+
+    def routed_rows(self) -> np.ndarray | None:
+        """The routing of every position forwarded (prompt, then output), or None if none was."""
+        return np.concatenate(self.routing) if self.routing else None
 
 
 class Scheduler:
@@ -275,6 +292,8 @@ class Scheduler:
                     ids = torch.tensor(prompt + request.output_ids, dtype=torch.long)
                     logits, request.hidden = model(ids, last_only=True)
                     request.next_logits = logits[-1]
+                    if isinstance(request.hidden, MoeHidden):
+                        request.routing = [request.hidden.routing]
                 assert request.next_logits is not None
                 token, logprob = self._choose(model, request)
                 request.output_ids.append(token)
@@ -282,10 +301,13 @@ class Scheduler:
                 self.stats["generated_tokens"] += 1
                 if request.sampling.stop_strings:
                     request.text = self._decode(request.output_ids)
-                finish = finish_reason(request.output_ids, request.text, request.sampling)
+                terminated = request.grammar is not None and request.grammar.terminated
+                finish = finish_reason(request.output_ids, request.text, request.sampling, terminated)
                 if finish is None:
                     logits, request.hidden = model(torch.tensor([token], dtype=torch.long), request.hidden)
                     request.next_logits = logits[-1]
+                    if isinstance(request.hidden, MoeHidden):
+                        request.routing.append(request.hidden.routing)
                 out.append((request, finish))
         return out
 
@@ -296,6 +318,8 @@ class Scheduler:
         if len(request.output_ids) < sampling.min_new_tokens and sampling.stop_token_ids:
             logits = logits.clone()
             logits[list(sampling.stop_token_ids)] = float("-inf")  # min_new_tokens' logit penalty
+        if request.grammar is not None:  # apply_logits_bias: the vocab mask before sampling
+            logits = request.grammar.masked(logits)
         if sampling.temperature == 0:
             token = int(torch.argmax(logits))
         else:
@@ -304,4 +328,6 @@ class Scheduler:
                 kth = torch.topk(logits, min(sampling.top_k, logits.numel())).values[-1]
                 filtered = logits.masked_fill(logits < kth, float("-inf"))
             token = nucleus_sample(filtered, sampling.temperature, sampling.top_p, request.generator)
+        if request.grammar is not None:
+            request.grammar.accept(token)
         return token, token_logprob(logits, token, sampling.temperature, self.original_logprobs)

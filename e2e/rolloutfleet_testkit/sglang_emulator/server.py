@@ -17,6 +17,24 @@ meet (`protocol.py`, `scheduler.py`, `radix_cache.py` name the SGLang functions 
   the expanded prompt, `meta_info.image_tokens` the image tokens, and `return_prompt_token_ids`
   answers the expanded ids as `prompt_token_ids` at the top level (for text prompts too).
   `sampling_seed` counts only with `--enable-deterministic-inference`, as in SGLang.
+  `sampling_params.json_schema`, `regex`, `ebnf` or `structural_tag` constrain the output with xgrammar,
+  SGLang's default grammar backend (grammar.py); two of the first three are a 400, as an invalid grammar.
+  Routing replay (a mixture-of-experts model directory, whose config.json names experts; model.py),
+  as SGLang's source has it: `--enable-return-routed-experts` (`ServerArgs.enable_return_routed_experts`)
+  makes `RoutedExpertsCapturer.create` a real capturer (else a no-op one: the field is never
+  answered); `topk.select_experts` hands it each layer's top-k ids (after the logical-to-physical
+  mapping when EPLB runs), kept per KV slot in a host buffer [slots, num_hidden_layers,
+  num_experts_per_tok] of int32 (`_RoutedExpertsHostCache`). A request with `return_routed_experts`
+  (`GenerateReqInput`) gets, once it has ended, aborted ones included
+  (`Scheduler.maybe_collect_routed_experts` -> `get_routed_experts(req_pool_idx, seqlen)`:
+  `buffer[req_to_token[:seqlen - 1]]`), the rows of positions [`routed_experts_start_len`,
+  prompt + output - 1): prompt positions too (a cached prefix reports what its slots were computed
+  with), never the last output token (sampled, not forwarded). `DetokenizerManager._extract_routed_experts`
+  sends them as base64 of the int32 bytes, `TokenizerManager._handle_batch_output` puts that in
+  `meta_info["routed_experts"]`; no shape is sent (`extract_routed_experts_from_meta_info` reads
+  int32; slime and miles reshape to (len(tokens) - 1, num_layers, moe_router_topk) and keep the last
+  turn's). `routed_experts_start_len` outside [0, prompt_tokens] is a 400 here (SGLang's bound; its
+  message differs). A streamed request gets the rows in its last chunk (they exist once it ended).
 - `POST /pause_generation {"mode": "abort"|"retract"|"in_place"}`, `POST /continue_generation`,
   `POST /update_weights_from_disk {"model_path", "weight_version", "abort_all_requests",
   "flush_cache", "load_format"}` -> `{"success", "message", "num_paused_requests"}`,
@@ -40,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
 import contextlib
 import copy
 import json
@@ -50,12 +69,15 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
 
-from .model import load_model
+from .grammar import GrammarBackend
+from .model import load_model, model_moe
 from .multimodal import AVOID_RETOKENIZE_ENV, ImageReader, build_prompt, decode_image_data, image_data_list
 from .protocol import (
     BadRequest,
@@ -117,6 +139,9 @@ class GenerateParams:
     image_tokens: int = 0
     # The radix cache's keys for the prompt when it differs from input_ids (images: their pad values).
     cache_ids: list[int] | None = None
+    grammar: Any = None  # the compiled grammar of sampling.constraint (grammar.py)
+    return_routed_experts: bool = False
+    routed_experts_start: int = 0  # routed_experts_start_len
 
     @property
     def parallel(self) -> bool:
@@ -200,6 +225,13 @@ def parse_generate_request(
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
         raise BadRequest("rid must be a string (batched requests are not supported)")
+    routed_start = body.get("routed_experts_start_len", 0)
+    if (
+        isinstance(routed_start, bool)
+        or not isinstance(routed_start, int)
+        or not 0 <= routed_start <= len(input_ids)
+    ):
+        raise BadRequest(f"routed_experts_start_len must be in [0, {len(input_ids)}] (the prompt tokens)")
     return GenerateParams(
         input_ids=input_ids,
         sampling=sampling,
@@ -211,12 +243,32 @@ def parse_generate_request(
         return_prompt_token_ids=_bool_field(body, "return_prompt_token_ids"),
         image_tokens=image_tokens,
         cache_ids=cache_ids,
+        return_routed_experts=_bool_field(body, "return_routed_experts"),
+        routed_experts_start=routed_start,
     )
 
 
-def generate_answer(params: GenerateParams, request: EngineRequest, tokenizer, weight_version: str) -> dict:
+def routed_experts_field(params: GenerateParams, request: EngineRequest) -> str | None:
+    """`meta_info.routed_experts` of an ended request: base64 of the int32 rows of positions
+    [routed_experts_start_len, prompt + output - 1); None if it was never forwarded."""
+    rows = request.routed_rows()
+    if rows is None:
+        return None
+    end = len(params.input_ids) + len(request.output_ids) - 1
+    chosen = np.ascontiguousarray(rows[params.routed_experts_start : max(end, params.routed_experts_start)])
+    return base64.b64encode(chosen.astype("<i4").tobytes()).decode("ascii")
+
+
+def generate_answer(
+    params: GenerateParams,
+    request: EngineRequest,
+    tokenizer,
+    weight_version: str,
+    routed_experts: bool = False,
+) -> dict:
     """The SGLang `/generate` answer for the request's output so far (also one streamed chunk);
-    `meta_info.id` is the engine request's rid (a sample's own, in a group)."""
+    `meta_info.id` is the engine request's rid (a sample's own, in a group). `routed_experts`: the
+    engine captures routing (`--enable-return-routed-experts`)."""
     output_ids = list(request.output_ids)
     logprobs = list(request.logprobs)[: len(output_ids)]
     meta_info: dict = {
@@ -230,6 +282,10 @@ def generate_answer(params: GenerateParams, request: EngineRequest, tokenizer, w
     }
     if params.image_tokens:  # only for requests that consumed images
         meta_info["image_tokens"] = params.image_tokens
+    if routed_experts and params.return_routed_experts and request.finish is not None:
+        routing = routed_experts_field(params, request)
+        if routing is not None:
+            meta_info["routed_experts"] = routing
     if params.return_logprob:
         meta_info["output_token_logprobs"] = [
             [logprob, token, tokenizer.decode([token]) if params.return_text_in_logprobs else None]
@@ -376,9 +432,11 @@ def create_app(
     deterministic_inference: bool = False,
     health_timeout_s: float = HEALTH_TIMEOUT_S,
     update_delay_s: float = 0.0,
+    routed_experts: bool = False,
 ) -> FastAPI:
     """The emulator for the tokenizer in `tokenizer_path` and the model of `seed`. `delay_s` waits
-    before each request is scheduled; `token_delay_s` is the time per decode step."""
+    before each request is scheduled; `token_delay_s` is the time per decode step; `routed_experts`:
+    capture routing (`--enable-return-routed-experts`; a model directory with experts)."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
@@ -387,8 +445,13 @@ def create_app(
     images = ImageReader(tokenizer_path) if ImageReader.serves(tokenizer_path) else None
     avoid_retokenize = _env_flag(AVOID_RETOKENIZE_ENV, True)
 
+    grammars = GrammarBackend(tokenizer, len(tokenizer), [] if eos_token_id is None else [eos_token_id])
+    moe = model_moe(tokenizer_path)
+    if routed_experts and moe is None:
+        raise ValueError(f"{tokenizer_path}/config.json names no experts: nothing to route")
+
     def model_for(weights_seed: int):
-        return load_model(len(tokenizer), seed=weights_seed, eos_token_id=eos_token_id)
+        return load_model(len(tokenizer), seed=weights_seed, eos_token_id=eos_token_id, moe=moe)
 
     scheduler = Scheduler(
         model_for(seed),
@@ -429,14 +492,18 @@ def create_app(
         task that schedules them. A group's prefill-only request and each sample get rids of their own
         (`tmp_obj.regenerate_rid()`, a uuid4 hex), never the request's `rid`."""
         keys, embed = params.engine_ids(len(tokenizer))
+
+        def grammar():  # each request follows the grammar on its own
+            return None if params.grammar is None else grammars.matcher(params.grammar)
+
         if not params.parallel:
-            single = EngineRequest(params.rid, keys, params.sampling, embed_ids=embed)
+            single = EngineRequest(params.rid, keys, params.sampling, embed_ids=embed, grammar=grammar())
             return [single], asyncio.create_task(scheduler.submit(single))
         prefill = EngineRequest(
             uuid.uuid4().hex, list(keys), replace(params.sampling, max_new_tokens=0), embed_ids=embed
         )
         samples = [
-            EngineRequest(uuid.uuid4().hex, list(keys), params.sampling, embed_ids=embed)
+            EngineRequest(uuid.uuid4().hex, list(keys), params.sampling, embed_ids=embed, grammar=grammar())
             for _ in range(params.n)
         ]
         return samples, asyncio.create_task(scheduler.submit_group(prefill, samples))
@@ -468,9 +535,11 @@ def create_app(
                 view = copy.copy(engine_request)
                 view.output_ids = engine_request.output_ids[:pending]
                 view.finish = engine_request.finish if count is None else None
-                yield generate_answer(params, view, tokenizer, scheduler.weight_version)
+                yield generate_answer(params, view, tokenizer, scheduler.weight_version, routed_experts)
             elif count is None:  # ended before its first token
-                yield generate_answer(params, engine_request, tokenizer, scheduler.weight_version)
+                yield generate_answer(
+                    params, engine_request, tokenizer, scheduler.weight_version, routed_experts
+                )
             if count is None:
                 return
             pending = count
@@ -478,15 +547,23 @@ def create_app(
     async def parse_generate(body: object) -> GenerateParams:
         parse = (body, tokenizer, eos_token_id, context_length, images, avoid_retokenize)
         if images is not None and isinstance(body, dict) and body.get("image_data") is not None:
-            return await asyncio.to_thread(parse_generate_request, *parse)  # decoding images: off the loop
-        return parse_generate_request(*parse)
+            params = await asyncio.to_thread(parse_generate_request, *parse)  # decoding images: off the loop
+        else:
+            params = parse_generate_request(*parse)
+        if params.sampling.constraint is not None:  # compiling is CPU work: off the loop
+            params = replace(
+                params, grammar=await asyncio.to_thread(grammars.compile, *params.sampling.constraint)
+            )
+        return params
 
     @app.post("/generate")
     async def generate_endpoint(request: Request) -> Response:
         params = await parse_generate(await read_json(request))
         if not params.stream:
             done = await run(params, request)
-            answers = [generate_answer(params, r, tokenizer, scheduler.weight_version) for r in done]
+            answers = [
+                generate_answer(params, r, tokenizer, scheduler.weight_version, routed_experts) for r in done
+            ]
             # _collect_batch_responses: a group answers the list of its samples' results, in order.
             return _json_response(answers if params.parallel else answers[0])
 
@@ -682,6 +759,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--health-timeout-s", type=float, default=HEALTH_TIMEOUT_S)
     parser.add_argument("--update-delay-s", type=float, default=0.0, help="time to load weights")
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="capture routing for return_routed_experts (a model directory whose config.json names experts)",
+    )
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
 
@@ -702,6 +784,7 @@ def main(argv: list[str] | None = None) -> None:
         deterministic_inference=args.enable_deterministic_inference,
         health_timeout_s=args.health_timeout_s,
         update_delay_s=args.update_delay_s,
+        routed_experts=args.enable_return_routed_experts,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 

@@ -16,6 +16,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # and the one that makes its logprobs untempered.
 HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+# SGLang's server flag that makes it capture the experts each token was routed to (routing replay).
+ROUTED_EXPERTS_FLAG = "--enable-return-routed-experts"
 ENGINE_STARTUP_S = 3600  # loading a large model's weights can take tens of minutes
 SHM_VOLUME = "rolloutfleet-shm"
 
@@ -57,6 +59,7 @@ def engine_deployment(fleet: Fleet) -> Manifest:
             str(engines.port),
             "--tp-size",
             str(engines.tensor_parallel_size),
+            *engine_feature_args(fleet),
             *engines.args,
         ],
         "env": with_overrides(engine_env(fleet), engines.env),
@@ -107,6 +110,16 @@ def engine_deployment(fleet: Fleet) -> Manifest:
     return deployment(
         fleet, engine_name(fleet), "engine", engines.replicas, pod_spec, strategy, placement=engines.placement
     )
+
+
+def engine_feature_args(fleet: Fleet) -> list[str]:
+    """Flags the proxies' settings need from the engines they record (unless `engines.args` has them):
+    routing replay needs SGLang to capture the routed experts (`--enable-return-routed-experts`)."""
+    given = fleet.engines.args if fleet.engines is not None else ()
+    args = []
+    if fleet.spec_value("proxy.routedExperts") and ROUTED_EXPERTS_FLAG not in given:
+        args.append(ROUTED_EXPERTS_FLAG)
+    return args
 
 
 def engine_env(fleet: Fleet) -> list[Manifest]:

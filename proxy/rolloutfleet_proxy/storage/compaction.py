@@ -20,6 +20,7 @@ from ..session import Session
 from ..stats import Counters
 from .dumps import LIVE_AREA, remove_other_dumps
 from .journal import Journal
+from .routing_store import RoutingStore, record_key
 from .session_files import SessionFiles
 
 log = logging.getLogger("rolloutfleet.proxy.compaction")
@@ -33,7 +34,9 @@ class Compactor:
         journal: Journal,
         dump_dir: Path,
         counters: Counters,
+        routing: RoutingStore,
     ):
+        self._routing = routing
         self._held_sessions = held_sessions  # every session held, live or detached (being written)
         self._files = files
         self._journal = journal
@@ -58,6 +61,12 @@ class Compactor:
         if failed:
             self._counters.compaction_failures += 1
             log.error("compaction: %d snapshots could not be written; the journal is kept", len(failed))
+            return False
+        try:  # the routing replay rows the old segments hold are in the sessions' files: synced first
+            await asyncio.to_thread(self._routing.sync, [record_key(s) for s in sessions])
+        except OSError as exc:
+            self._counters.compaction_failures += 1
+            log.error("compaction: routing files could not be synced (%s); the journal is kept", exc)
             return False
         held = {s.session_id for s in self._held_sessions()} | {s.session_id for s in sessions}
         await asyncio.to_thread(remove_other_dumps, self._dump_dir, LIVE_AREA, held)

@@ -6,6 +6,8 @@ Its layout (the file formats are in dumps.py):
     stale/<session_id>.<unix_ms>.safetensors   sessions evicted after idling (the user's); their images in
                                                stale/images/ (hard links to images/ files)
     images/<sha256>.<png|jpg|webp>             each distinct image of the sessions held, once (images.py)
+    routing/<session_id>.<incarnation>.r3      routing replay's rows of each session held (routing_store.py);
+                                               a stale session's beside its dump, in stale/routing/
     live-exports/<batch_id>.safetensors        batches handed to the trainer, not yet acknowledged
     exported/<batch_id>.<unix_ms>.safetensors  batches never acknowledged within the TTL (the user's)
     corrupt/                                   files that could not be read back
@@ -54,6 +56,7 @@ from .images import IMAGES_AREA, ImageStore
 from .interface import Departure, Pending, RestoredSessions, Storage, Written, storage_stats
 from .journal import Journal, journal_dir
 from .restore import restore_batches, restore_sessions, restore_state
+from .routing_store import ROUTING_AREA, RoutingFiles, record_key
 from .session_files import SessionFiles
 from .state_file import FLUSH_INTERVAL_S, ProxyState, StateKeeper
 
@@ -86,6 +89,7 @@ class DumpStorage(Storage):
         `state`: the state file's content now."""
         self.health = StorageHealth()
         self.images = ImageStore(dump_dir / IMAGES_AREA)
+        self.routing: RoutingFiles = RoutingFiles(dump_dir / ROUTING_AREA, self._routing_failed)
         self._dump_dir = dump_dir
         self._counters = counters
         self._durability = durability
@@ -95,7 +99,14 @@ class DumpStorage(Storage):
         self._journal = Journal(journal_dir(dump_dir), self.health, durability, journal_flush_interval_s)
         self._files = SessionFiles(dump_dir, write_concurrency, counters)
         self._state = StateKeeper(dump_dir, state, counters)
-        self._compactor = Compactor(held_sessions, self._files, self._journal, dump_dir, counters)
+        self._compactor = Compactor(
+            held_sessions, self._files, self._journal, dump_dir, counters, self.routing
+        )
+
+    def _routing_failed(self, exc: OSError) -> Exception:
+        self._counters.dump_failures += 1
+        self.health.fail(f"routing replay write failed: {type(exc).__name__}: {exc}")
+        return self.health.refuse("not recorded")
 
     # --- start and stop ---------------------------------------------------------------------------
 
@@ -106,7 +117,10 @@ class DumpStorage(Storage):
         return await restore_state(self._dump_dir, self._counters)
 
     async def restore_sessions(self) -> RestoredSessions:
-        recovered = await restore_sessions(self._dump_dir, self._lost_capacity, self._counters)
+        recovered = await restore_sessions(
+            self._dump_dir, self._lost_capacity, self._counters, self.routing.shape
+        )
+        self.routing.adopt(recovered.routing_sizes)
         await self._journal.open(recovered.last_seq)
         return RestoredSessions(list(recovered.sessions.values()), recovered.lost)
 
@@ -213,6 +227,13 @@ class DumpStorage(Storage):
                 self._counters.dump_failures += 1
                 log.error("the images of stale sessions could not be kept beside them: %s", exc)
                 return Written(STALE_DUMPED, [], sessions)
+        try:  # and their routing replay rows (the journal holding them goes)
+            keys = [record_key(s) for s in sessions]
+            await asyncio.to_thread(self.routing.link_into, keys, self._dump_dir / STALE_AREA / ROUTING_AREA)
+        except OSError as exc:
+            self._counters.dump_failures += 1
+            log.error("the routing of stale sessions could not be kept beside them: %s", exc)
+            return Written(STALE_DUMPED, [], sessions)
         written, failed = await self._files.write(sessions, STALE_AREA, "stale")
         self._counters.sessions_dumped += len(written)
         self._counters.sessions_evicted += len(written)
@@ -246,6 +267,7 @@ class DumpStorage(Storage):
         A failure here loses nothing (the next start replays the journal over the snapshots)."""
         try:
             await self._journal.close()
+            await asyncio.to_thread(self.routing.sync, list(self.routing.keys()))
             await asyncio.to_thread(remove_other_dumps, self._dump_dir, LIVE_AREA, session_ids)
             await self._journal.retire(self._journal.segment_seq + 1)
         except OSError as exc:

@@ -12,7 +12,9 @@ A session file holds the tensors `input_ids` (int32), `loss_mask` (uint8), `logp
 `turn_bounds` (int32, [turns, 3]: first new input token, first output token, end of output) and
 `turn_versions` (int32, [turns]: the model version each turn's generation started under),
 `version_changes` (int32, [changes, 2]: token offset and version where a weight update changed the
-version mid-turn), `turn_temperatures` (float32) and `turn_tempered` (uint8), and under the
+version mid-turn), `turn_temperatures` (float32) and `turn_tempered` (uint8), the tree and image
+tensors, `turn_routed` (uint8) and `turn_routing_crcs` (uint32: routing replay; the rows themselves
+are in `routing/`), and under the
 metadata key `rolloutfleet.session` a JSON object with the rest of the session. Any safetensors
 reader reads it; `load_session_file` turns it back into a `SessionRecord`. Batch files are in the
 export format (`rolloutfleet_wire/export_format.py`).
@@ -204,6 +206,14 @@ _TENSORS: dict[str, _Tensor] = {
     "image_spans": _Tensor("image_spans", "i", np.int32, columns=IMAGE_FIELDS, older_files=lambda values: []),
     "image_digests": _Tensor(
         "image_digests", "B", np.uint8, columns=DIGEST_BYTES, older_files=lambda values: []
+    ),
+    # Written before routing replay: no turn stored routing. The rows are in the dump directory's
+    # routing/ area (routing_store.py), one file per session.
+    "turn_routed": _Tensor(
+        "turn_routed", "B", np.uint8, per_turn=True, older_files=lambda values: [0] * _turns(values)
+    ),
+    "turn_routing_crcs": _Tensor(
+        "turn_routing_crcs", "I", np.uint32, per_turn=True, older_files=lambda values: [0] * _turns(values)
     ),
 }
 

@@ -24,6 +24,7 @@ from ..session import RecordedTurn, Session
 from .health import StorageHealth
 from .images import ImageStore
 from .journal import JournalStats
+from .routing_store import RoutingStore
 from .state_file import ProxyState
 
 # What `commit` waits for: the record's sync (durability sync), or nothing.
@@ -58,6 +59,7 @@ class RestoredSessions:
 class Storage(ABC):
     health: StorageHealth
     images: ImageStore  # the images sessions reference, stored once (files, or memory without storage)
+    routing: RoutingStore  # routing replay's rows of routed turns (files, or memory without storage)
 
     # --- start and stop ---------------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 A record is framed as `MAGIC | payload length (u32) | CRC-32 of the payload (u32) | payload`; the
 payload is `kind (u8) | header length (u32) | header (JSON) | body`. Only a turn has a body: its new
-input ids (int32), output ids (int32) and output logprobs (float32), as the arrays hold them. A
+input ids (int32), output ids (int32) and output logprobs (float32), as the arrays hold them, then
+its routing rows when it has any (routing replay: `routing` in the header is their byte count). A
 turn's images are in its header by sha256 (their bytes are files in the dump directory's images/).
 
 Every record names its session by id and incarnation (the first 8 bytes of the session key's digest),
@@ -45,6 +46,7 @@ class TurnBody:
     new_input_ids: array
     output_ids: array
     output_logprobs: array
+    routing: bytes | None = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,9 @@ def turn_record(session_id: str, key_digest: bytes, turn_index: int, turn: Recor
     if turn.images:  # offsets into the turn's new input ids; the bytes are in images/, by sha256
         header["images"] = [[*image[:5], image.digest.hex()] for image in turn.images]
     body = turn.new_input_ids.tobytes() + turn.output_ids.tobytes() + turn.output_logprobs.tobytes()
+    if turn.routing is not None:
+        header["routing"] = len(turn.routing)
+        body += turn.routing
     return frame(TURN, header, body)
 
 
@@ -148,6 +153,7 @@ def recorded_turn(record: Record) -> RecordedTurn:
             ImageSpan(int(o), int(n), int(t), int(h), int(w), bytes.fromhex(d))
             for o, n, t, h, w, d in header.get("images") or ()
         ),
+        routing=body.routing,
     )
 
 
@@ -181,12 +187,20 @@ def decode_payload(payload: bytes) -> Record:
         if kind != TURN:
             return Record(kind, header)
         n_in, n_out = int(header["n_in"]), int(header["n_out"])
-        if n_in < 0 or n_out < 0 or len(body) != 4 * (n_in + 2 * n_out):
+        routing_bytes = header.get("routing")
+        tokens_end = 4 * (n_in + 2 * n_out)
+        if (
+            n_in < 0
+            or n_out < 0
+            or (routing_bytes is not None and (not isinstance(routing_bytes, int) or routing_bytes < 0))
+            or len(body) != tokens_end + (routing_bytes or 0)
+        ):
             raise RecordError("turn body does not match its lengths")
         new_input_ids = _array("i", body[: 4 * n_in])
         output_ids = _array("i", body[4 * n_in : 4 * (n_in + n_out)])
-        logprobs = _array("f", body[4 * (n_in + n_out) :])
-        return Record(kind, header, TurnBody(new_input_ids, output_ids, logprobs))
+        logprobs = _array("f", body[4 * (n_in + n_out) : tokens_end])
+        routing = None if routing_bytes is None else bytes(body[tokens_end:])
+        return Record(kind, header, TurnBody(new_input_ids, output_ids, logprobs, routing))
     except RecordError:
         raise
     except (struct.error, orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:

@@ -19,6 +19,7 @@ from .health import StorageHealth
 from .images import ImageStore
 from .interface import Departure, Pending, RestoredSessions, Storage, Written, storage_stats
 from .journal import JournalStats
+from .routing_store import RoutingMemory
 from .state_file import ProxyState
 
 STALE_DROPPED = Departure("dropped after idling (no dump directory)")
@@ -30,6 +31,7 @@ class NoStorage(Storage):
     def __init__(self, counters: Counters):
         self.health = StorageHealth()
         self.images = ImageStore(None)  # held in memory: nothing outlives the process anyway
+        self.routing = RoutingMemory()
         self._counters = counters
 
     # --- start and stop ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 from rolloutfleet_wire.export_format import decode_batch
+from rolloutfleet_wire.routed_experts import RoutingError, RoutingShape
 
 from ..export_buffer import ExportBatch
 from ..ids import is_valid_session_id
@@ -40,6 +41,7 @@ from .dumps import (
 )
 from .journal import journal_dir, list_segments
 from .journal_records import CREATE, END, FINISH, REWARD, TURN, Record, incarnation, recorded_turn, scan
+from .routing_store import ROUTING_AREA, RoutingRestore, drop_routing, routing_key
 from .state_file import ProxyState, StateFormatError, read_state, state_path
 
 log = logging.getLogger("rolloutfleet.proxy.recovery")
@@ -60,14 +62,19 @@ class Recovered:
     quarantined: list[str] = field(default_factory=list)  # what went to corrupt/, as moved
     damaged_segments: int = 0
     seconds: float = 0.0
+    routing_sizes: dict[str, int] = field(default_factory=dict)  # routing bytes per session key
 
 
 class Replay:
-    """Applies journal records, in order, to sessions (pure: no I/O)."""
+    """Applies journal records, in order, to sessions (no I/O but through `routing`, which rebuilds
+    the routing replay files from the turns' rows)."""
 
-    def __init__(self, sessions: dict[str, Session], lost: dict[str, str]):
+    def __init__(
+        self, sessions: dict[str, Session], lost: dict[str, str], routing: RoutingRestore | None = None
+    ):
         self.sessions = sessions
         self.lost = lost
+        self.routing = routing
         self.applied = 0
         self._lost_incarnations: dict[str, str] = {}
         self._orphans: dict[str, str] = {}  # records seen without their session: id -> incarnation
@@ -82,6 +89,8 @@ class Replay:
                 self.sessions[sid] = Session(
                     sid, key, dict(record.header.get("metadata") or {}), float(record.header["created_at"])
                 )
+                if self.routing is not None:
+                    self.routing.reset(routing_key(sid, key))
                 self.lost.pop(sid, None)
                 self._orphans.pop(sid, None)
                 self.applied += 1
@@ -124,6 +133,12 @@ class Replay:
             session.committed_turns = session.num_turns  # journaled, so durable: it may be replayed
         except (KeyError, TypeError, ValueError) as exc:
             self._lose(session, f"turn {index} cannot be applied: {exc}")
+            return
+        if body.routing is not None and self.routing is not None:
+            try:
+                self.routing.append(routing_key(session.session_id, session.key_digest), body.routing)
+            except (OSError, RoutingError) as exc:
+                self._lose(session, f"the routing of turn {index} cannot be kept: {exc}")
 
     def _lose(self, session: Session, why: str) -> None:
         del self.sessions[session.session_id]
@@ -161,11 +176,13 @@ async def restore_state(dump_dir: Path, counters: Counters) -> ProxyState | None
         return None
 
 
-async def restore_sessions(dump_dir: Path, lost_capacity: int, counters: Counters) -> Recovered:
+async def restore_sessions(
+    dump_dir: Path, lost_capacity: int, counters: Counters, routing_shape: RoutingShape | None = None
+) -> Recovered:
     """Every session a predecessor held: its snapshots in `live/`, then its journal replayed over them
-    (after a SIGKILL as after a drain)."""
+    (after a SIGKILL as after a drain), with their routing replay files rebuilt to match."""
     start_log.info("restoring from %s", dump_dir)
-    recovered = await asyncio.to_thread(recover, dump_dir, lost_capacity)
+    recovered = await asyncio.to_thread(recover, dump_dir, lost_capacity, routing_shape)
     counters.sessions_restored += len(recovered.sessions)
     counters.sessions_lost += len(recovered.lost)
     counters.restore_failures += len(recovered.quarantined)
@@ -186,12 +203,16 @@ async def restore_sessions(dump_dir: Path, lost_capacity: int, counters: Counter
     return recovered
 
 
-def recover(dump_dir: Path, lost_capacity: int = 10000) -> Recovered:
+def recover(
+    dump_dir: Path, lost_capacity: int = 10000, routing_shape: RoutingShape | None = None
+) -> Recovered:
     """`restore_sessions`, blocking."""
     started = time.monotonic()
     result = Recovered()
     result.lost.update(_read_lost(dump_dir))
     unreadable: set[str] = set()
+    # Routing replay off: rows recorded before are dropped (the turns keep their tokens), not lost.
+    routing = None if routing_shape is None else RoutingRestore(dump_dir / ROUTING_AREA, routing_shape)
     for path in list_live_dumps(dump_dir, LIVE_AREA):
         name = path.name[: -len(SUFFIX)]
         try:
@@ -205,9 +226,17 @@ def recover(dump_dir: Path, lost_capacity: int = 10000) -> Recovered:
             if is_valid_session_id(name):
                 unreadable.add(name)
             continue
+        try:
+            problem = None if routing is None else routing.from_snapshot(record)
+        except OSError as exc:
+            problem = f"its routing file cannot be cut back ({exc})"
+        if problem:
+            log.error("cannot restore session %s: %s", name, problem)
+            result.lost[name] = problem
+            continue
         result.sessions[name] = Session.from_record(record)
         result.snapshots += 1
-    replay = Replay(result.sessions, result.lost)
+    replay = Replay(result.sessions, result.lost, routing)
     for seq, path in list_segments(journal_dir(dump_dir)):
         result.last_seq = seq
         result.segments += 1
@@ -227,6 +256,14 @@ def recover(dump_dir: Path, lost_capacity: int = 10000) -> Recovered:
             replay.apply(record)
         del scanned
     replay.finish()
+    if routing is None:
+        drop_routing(dump_dir / ROUTING_AREA, result.sessions.values())
+    else:
+        for sid, problem in routing.finish(result.sessions).items():
+            log.error("cannot restore session %s: %s", sid, problem)
+            del result.sessions[sid]
+            result.lost[sid] = problem
+        result.routing_sizes = routing.sizes
     for sid in unreadable:
         if sid not in result.sessions:
             result.lost.setdefault(sid, "its snapshot failed verification")

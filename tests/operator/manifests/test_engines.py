@@ -114,6 +114,17 @@ def test_engines_do_not_flap_during_weight_updates_and_get_time_to_drain():
     assert pod_spec(ENGINE)["terminationGracePeriodSeconds"] == 600
 
 
+def test_routing_replay_turns_on_the_engines_capture_once():
+    def args_of(obj: dict[str, Any]) -> list[str]:
+        return container(engine_deployment(parse_fleet(obj)))["args"]
+
+    assert "--enable-return-routed-experts" not in args_of(sample("gpu"))
+    on = mutated("proxy.routedExperts", True)
+    assert args_of(on).count("--enable-return-routed-experts") == 1
+    on["spec"]["engines"]["args"] = ["--enable-return-routed-experts", "--mem-fraction-static", "0.8"]
+    assert args_of(on).count("--enable-return-routed-experts") == 1  # the user's own, not doubled
+
+
 def test_original_logprobs_reach_engines_and_proxies_alike():
     fleet = parse_fleet(mutated("proxy.engineLogprobs", "original"))
     assert _env_of(engine_deployment(fleet))["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"

@@ -38,6 +38,7 @@ def golden_fleets() -> dict[str, dict[str, Any]]:
         toolCallParser="llama3",
         reasoningParser="deepseek-r1",
         chatTemplateKwargs=KWARGS_GOLDEN,
+        routedExperts=True,
         adminKeySecret={"name": "mine", "key": "token"},
         admission={"maxStaleness": 3, "consumerBatchSize": 10, "maxConcurrentSessions": 64},
         memory={"rssBudgetBytes": 4 * 2**30, "refuseNewSessionsPercent": 80},
@@ -320,6 +321,25 @@ def test_chat_template_kwargs_json_is_stable():
 
 def test_chat_formats_are_template_settings():
     assert not CHAT_FORMAT_ENV & HASH_EXEMPT_ENV
+
+
+# --- routing replay (R3) -------------------------------------------------------------------------
+
+
+def test_routing_replay_reaches_the_proxy_when_on_and_rolls_nothing_when_off(monkeypatch):
+    on = parse_fleet(mutated("proxy.routedExperts", True))
+    pod = proxy_pod(on, 0)
+    assert env_map(pod)[ENV["routed_experts"]] == "true"
+    settings = pod_settings(pod, monkeypatch)
+    assert settings.routed_experts is True and effective_settings(settings)["routed_experts"] is True
+    assert template_hash(on) != template_hash(GPU)  # turning it on rolls the proxies
+    # Off (explicitly, or by the CRD's default): not injected, the proxy's own default (off) applies,
+    # and a fleet's pods are the same as before the setting existed.
+    off = parse_fleet(mutated("proxy.routedExperts", False))
+    assert off.spec_value("proxy.routedExperts") is False
+    assert ENV["routed_experts"] not in env_map(proxy_pod(off, 0))
+    assert pod_settings(proxy_pod(off, 0), monkeypatch).routed_experts is False
+    assert template_hash(off) == template_hash(GPU)
 
 
 if __name__ == "__main__":  # rewrite the recorded env (see GOLDEN)
