@@ -375,3 +375,26 @@ def test_a_multi_stage_build_keeps_the_last_stage_only(tmp_path, monkeypatch):
     (context / "Dockerfile").write_text(MULTI_STAGE.replace("--from=0", "--from=nowhere"))
     with pytest.raises(ValueError, match="no earlier stage"):
         build.build(context / "Dockerfile", context)
+
+
+def test_two_builders_of_the_base_image_take_turns(tmp_path, monkeypatch):
+    """A second process building the base at once removed the tree under the first one's debootstrap
+    (a cold CI run beside another checkout): the build is under the cache's lock."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rolloutfleet_testkit.images import base
+
+    monkeypatch.setenv("ROLLOUTFLEET_CACHE", str(tmp_path))
+    inside, most = [], []
+
+    def building() -> Path:
+        inside.append(1)
+        most.append(len(inside))
+        time.sleep(0.3)
+        inside.pop()
+        return tmp_path / "layer.tar"
+
+    monkeypatch.setattr(base, "_base_layer", building)
+    with ThreadPoolExecutor(2) as pool:  # flock locks conflict across open files, threads included
+        list(pool.map(lambda _: base.base_layer(), range(2)))
+    assert most == [1, 1]

@@ -13,6 +13,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from rolloutfleet_testkit.cache import exclusive
+
 from .cache import images_cache
 from .oci import tar_layer
 
@@ -34,7 +36,13 @@ def base_key() -> str:
 
 def base_layer() -> Path:
     """The base's root filesystem as one layer (tar), built once per key and cached; the tree itself
-    stays beside it (`rootfs/`), the lowest layer of the builds on top."""
+    stays beside it (`rootfs/`), the lowest layer of the builds on top. Under the cache's lock: a
+    second process building it at once would remove the tree under the first one's debootstrap."""
+    with exclusive(f"base-{base_key()}"):
+        return _base_layer()
+
+
+def _base_layer() -> Path:
     directory = images_cache() / f"base-{base_key()}"
     layer = directory / "layer.tar"
     rootfs = directory / "rootfs"
