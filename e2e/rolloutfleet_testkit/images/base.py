@@ -69,7 +69,16 @@ def debootstrap(rootfs: Path, packages: tuple[str, ...]) -> None:
     """A minbase Debian SUITE with `packages` into `rootfs`, the downloaded .debs kept in the cache."""
     cache_dir = images_cache() / "debootstrap-cache"
     cache_dir.mkdir(exist_ok=True)
-    result = subprocess.run(
+    # Two debootstraps sharing a --cache-dir can trip over each other's files (a cold run's
+    # base image beside kind's node rootfs did): one at a time.
+    with exclusive("debootstrap-cache"):
+        result = _run_debootstrap(rootfs, packages, cache_dir)
+    if result.returncode != 0:
+        raise RuntimeError(f"debootstrap failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+
+
+def _run_debootstrap(rootfs: Path, packages: tuple[str, ...], cache_dir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [
             "debootstrap",
             "--variant=minbase",
@@ -82,8 +91,6 @@ def debootstrap(rootfs: Path, packages: tuple[str, ...]) -> None:
         capture_output=True,
         text=True,
     )
-    if result.returncode != 0:
-        raise RuntimeError(f"debootstrap failed:\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
 
 
 def base_rootfs() -> Path:
