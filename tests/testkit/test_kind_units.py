@@ -3,14 +3,18 @@ kindnetd, the runtime wrapper, the node image's systemd links, and the host-stat
 
 from __future__ import annotations
 
+import io
 import ipaddress
 import json
 import shutil
 import subprocess
+import tarfile
 
 import pytest
 import yaml
+from rolloutfleet_testkit.images.oci import stream_image_archive, tar_layer, write_image_archive
 from rolloutfleet_testkit.kind import config, host, nodeimage
+from rolloutfleet_testkit.kind.cluster import nodes_for
 from rolloutfleet_testkit.node.binaries import KUBEADM_COREDNS_PLUGINS, coredns_main
 
 
@@ -191,3 +195,24 @@ def test_kind_tree_lays_kinds_base_files_and_our_parts_over_a_rootfs(tmp_path):
     assert (tree / "kind/version").read_text() == nodeimage.KUBERNETES_VERSION
     assert "StorageClass" in (tree / "kind/manifests/default-storage.yaml").read_text()
     assert (tree / "usr/local/bin/entrypoint").stat().st_mode & 0o111
+
+
+def test_the_engines_image_goes_to_the_gpu_nodes_and_the_others_to_the_rest():
+    assert nodes_for("sglang-emulator", ["w"], ["cp"]) == ["w"]
+    assert nodes_for("proxy", ["w"], ["cp"]) == ["cp"]
+
+
+def test_a_streamed_archive_is_the_written_one_byte_for_byte(tmp_path):
+    """The kind loader pipes the archive into the node's importer; the local cluster's importer reads
+    the file: both must get the same image."""
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "hello").write_text("hi\n")
+    layer = tar_layer(tree, tmp_path / "layer.tar")
+    written = write_image_archive(tmp_path / "image.tar", [layer], {"Cmd": ["/hello"]}, ["hello:1"])
+    streamed = io.BytesIO()
+    stream_image_archive(streamed, [layer], {"Cmd": ["/hello"]}, ["hello:1"])
+    assert streamed.getvalue() == written.read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(streamed.getvalue())) as archive:
+        names = archive.getnames()
+    assert "manifest.json" in names and any(n.endswith("/layer.tar") for n in names)

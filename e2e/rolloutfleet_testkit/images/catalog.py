@@ -5,12 +5,14 @@ The product's images (PRODUCT_IMAGES) can be pushed to a registry as `<registry>
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 
@@ -20,7 +22,7 @@ from .base import ENV as BASE_ENV
 from .base import STANDS_IN_FOR, base_key, base_layer, say
 from .build import build
 from .cache import images_cache
-from .oci import import_archive, normalized, write_image_archive
+from .oci import import_archive, normalized, stream_image_archive, write_image_archive
 from .registry import Blob, PushError, archive_blobs, image_blobs, push, target
 from .static import static_image
 
@@ -88,6 +90,14 @@ class Built:
         if self.prebuilt is not None:
             return archive_blobs(self.prebuilt, images_cache() / "push" / self.prebuilt.stem)
         return image_blobs(self.layers, self.config)
+
+    def stream(self, file: BinaryIO) -> None:
+        """The archive `archive` writes, written to `file` (a pipe into an importer)."""
+        if self.prebuilt is not None:
+            with self.prebuilt.open("rb") as archive:
+                shutil.copyfileobj(archive, file, 1 << 20)
+        else:
+            stream_image_archive(file, self.layers, self.config, self.names)
 
     def archive(self) -> Path:
         if self.prebuilt is not None:

@@ -16,7 +16,7 @@ import platform
 import subprocess
 import tarfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 CHUNK = 1 << 20
 IMPORT_TIMEOUT_S = 1800  # the SGLang emulator's image is gigabytes (torch); ~10 s per 200 MB here
@@ -74,6 +74,19 @@ def config_document(config: dict[str, Any], diff_ids: list[str]) -> bytes:
 def write_image_archive(out: Path, layers: list[Path], config: dict[str, Any], names: list[str]) -> Path:
     """An archive of `layers` (tar files, bottom first) with `config` (Entrypoint, Cmd, Env,
     WorkingDir, User, ExposedPorts, Labels), named with every name in `names`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    with partial.open("wb") as file:
+        stream_image_archive(file, layers, config, names)
+    partial.replace(out)
+    return out
+
+
+def stream_image_archive(
+    file: BinaryIO, layers: list[Path], config: dict[str, Any], names: list[str]
+) -> None:
+    """The archive `write_image_archive` writes, written to `file` as a stream (a pipe into an
+    importer: no copy of gigabytes of layers on disk)."""
     if not layers or not names:
         raise ValueError("an image needs at least one layer and one name")
     diff_ids = [sha256_file(layer) for layer in layers]
@@ -81,9 +94,7 @@ def write_image_archive(out: Path, layers: list[Path], config: dict[str, Any], n
     config_name = f"{hashlib.sha256(document).hexdigest()}.json"
     layer_names = [f"{d}/layer.tar" for d in diff_ids]
     manifest = [{"Config": config_name, "RepoTags": list(names), "Layers": layer_names}]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = out.with_name(out.name + ".partial")
-    with tarfile.open(partial, "w", format=tarfile.PAX_FORMAT) as archive:
+    with tarfile.open(fileobj=file, mode="w|", format=tarfile.PAX_FORMAT) as archive:
         _add_bytes(archive, config_name, document)
         for name, layer in dict(zip(layer_names, layers, strict=True)).items():  # a repeated layer once
             info = tarfile.TarInfo(name)
@@ -91,8 +102,6 @@ def write_image_archive(out: Path, layers: list[Path], config: dict[str, Any], n
             with layer.open("rb") as data:
                 archive.addfile(info, data)
         _add_bytes(archive, "manifest.json", json.dumps(manifest).encode())
-    partial.replace(out)
-    return out
 
 
 def _add_bytes(archive: tarfile.TarFile, name: str, data: bytes) -> None:

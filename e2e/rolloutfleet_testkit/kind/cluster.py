@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from rolloutfleet_testkit.controlplane.build import binaries_dir, ensure_go_tool, say
 from rolloutfleet_testkit.node.config import GPU_COUNT, GPU_LABEL, GPU_RESOURCE
@@ -121,26 +122,47 @@ def host_ip() -> str:
     return checked("docker", "network", "inspect", "kind", "-f", "{{(index .IPAM.Config 0).Gateway}}").strip()
 
 
-# Only where engines run (the SGLang emulator's torch layers are gigabytes), as on the local cluster.
+# Only where engines run (the SGLang emulator's torch layers are gigabytes), as on the local cluster;
+# the other images only on the untainted nodes, where everything else runs.
 GPU_IMAGES = ("sglang-emulator",)
+# What `kind load` runs on a node (kind's nodeutils), fed from a pipe: the archive is never written.
+NODE_IMPORT = ("ctr", "--namespace=k8s.io", "images", "import", "--all-platforms", "--digests")
 
 
-def load_images(names: Sequence[str], kind: Path) -> None:
+def nodes_for(image: str, gpu_nodes: Sequence[str], other_nodes: Sequence[str]) -> Sequence[str]:
+    """The nodes an image is loaded into: where the pods that run it can be scheduled (pure)."""
+    return gpu_nodes if image in GPU_IMAGES else other_nodes
+
+
+def stream_into_node(node: str, write: Callable[[BinaryIO], None], timeout_s: float = 1800) -> None:
+    importer = subprocess.Popen(
+        ["docker", "exec", "-i", node, *NODE_IMPORT, "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    assert importer.stdin is not None
+    try:
+        write(importer.stdin)
+        importer.stdin.close()
+    except BrokenPipeError:
+        pass  # the importer ended early: its status and message below say why
+    _, error = importer.communicate(timeout=timeout_s)
+    if importer.returncode != 0:
+        raise RuntimeError(f"importing into {node} failed ({importer.returncode}):\n{error.decode()[-2000:]}")
+
+
+def load_images(names: Sequence[str]) -> None:
     from rolloutfleet_testkit.images.catalog import build_image
 
-    gpu_nodes = ",".join(
-        n.removeprefix("node/")
-        for n in kubectl("get", "nodes", "-l", f"{GPU_LABEL}=true", "-o", "name").split()
-    )
+    nodes = json.loads(kubectl("get", "nodes", "-o", "json"))["items"]
+    gpu = [n["metadata"]["name"] for n in nodes if n["metadata"].get("labels", {}).get(GPU_LABEL) == "true"]
+    others = [n["metadata"]["name"] for n in nodes if n["metadata"]["name"] not in gpu]
     for name in names:
         started = time.monotonic()
         built = build_image(name)
-        archive = built.archive()
-        where = ["--nodes", gpu_nodes] if name in GPU_IMAGES else []
-        load = [str(kind), "load", "image-archive", "--name", CLUSTER_NAME, *where, str(archive)]
-        checked(*load, timeout=1800)
-        if built.prebuilt is None:  # the nodes hold it now (gigabytes); a static image's stays cached
-            archive.unlink(missing_ok=True)
+        for node in nodes_for(name, gpu, others):
+            stream_into_node(node, built.stream)
         timed(f"image {name} loaded", started)
 
 
@@ -172,7 +194,7 @@ def up(images: Sequence[str] = DEFAULT_IMAGES, timeout_s: float = 300) -> dict[s
     kubectl("wait", "--for=condition=Ready", "nodes", "--all", f"--timeout={int(timeout_s)}s")
     advertise_gpus()
     timed("nodes Ready", started)
-    load_images(images, kind)
+    load_images(images)
     kubectl("-n", "kube-system", "rollout", "status", "deployment/coredns", f"--timeout={int(timeout_s)}s")
     timed("cluster up", started)
     return {"KUBECONFIG": str(kubeconfig_path()), "ROLLOUTFLEET_HOST_IP": host_ip(), SHARED_ENV: str(shared)}
