@@ -3,8 +3,8 @@
 up     Docker (from Debian), kind, the node image, a control-plane node and a GPU-like worker, our
        CNI, the project's images loaded; prints the environment for the e2e suite
 down   the cluster, Docker and its packages gone; every host setting put back and checked
-test   up, pytest ARGS against the cluster (default: the kind smoke), down (also on failure);
-       `test --images proxy,operator,... ARGS` loads those images only
+test   up, pytest ARGS against the cluster (default: the kind smoke, with only the images it runs),
+       down (also on failure); `test --images proxy,operator,... ARGS` loads those images only
 image  build the node image archive only (no Docker needed) and print its path
 """
 
@@ -18,6 +18,10 @@ import sys
 from rolloutfleet_testkit.controlplane.build import binaries_dir
 
 from .cluster import DEFAULT_IMAGES, down, environment_lines, up
+
+# The smoke CI runs (`./dev test` ends with it): the GPU sample fleet, its engine the SGLang emulator.
+SMOKE = ("e2e/tests/test_kind_smoke.py", "-m", "kind", "-k", "test_gpu_sample_fleet", "-x", "-q")
+SMOKE_IMAGES = ("operator", "proxy", "sglang-router", "sglang-emulator")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,15 +42,14 @@ def main(argv: list[str] | None = None) -> int:
         status = 1
         try:
             # --images a,b,c: what to load instead (the SGLang emulator's torch layers are gigabytes).
-            images: tuple[str, ...] = (*DEFAULT_IMAGES, "sglang-emulator")
+            images: tuple[str, ...] = SMOKE_IMAGES if not args else (*DEFAULT_IMAGES, "sglang-emulator")
             if args[:1] == ["--images"]:
                 images, args = tuple(args[1].split(",")), args[2:]
             env = up(images)
             # kubectl and helm for the suite (it takes them from PATH on a cluster it did not start).
             env["PATH"] = f"{binaries_dir()}{os.pathsep}{os.environ.get('PATH', '')}"
-            pytest_args = args or ["e2e/tests/test_kind_smoke.py", "-m", "kind", "-x"]
             status = subprocess.run(
-                [sys.executable, "-m", "pytest", *pytest_args], env={**os.environ, **env}
+                [sys.executable, "-m", "pytest", *(args or SMOKE)], env={**os.environ, **env}
             ).returncode
         finally:
             down()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -135,21 +136,24 @@ def nodes_for(image: str, gpu_nodes: Sequence[str], other_nodes: Sequence[str]) 
 
 
 def stream_into_node(node: str, write: Callable[[BinaryIO], None], timeout_s: float = 1800) -> None:
-    importer = subprocess.Popen(
-        ["docker", "exec", "-i", node, *NODE_IMPORT, "-"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    assert importer.stdin is not None
-    try:
-        write(importer.stdin)
-        importer.stdin.close()
-    except BrokenPipeError:
-        pass  # the importer ended early: its status and message below say why
-    _, error = importer.communicate(timeout=timeout_s)
-    if importer.returncode != 0:
-        raise RuntimeError(f"importing into {node} failed ({importer.returncode}):\n{error.decode()[-2000:]}")
+    # Its messages to a file, not a pipe: a pipe nobody reads while the archive is written could fill.
+    with tempfile.TemporaryFile() as messages:
+        importer = subprocess.Popen(
+            ["docker", "exec", "-i", node, *NODE_IMPORT, "-"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=messages,
+        )
+        assert importer.stdin is not None
+        try:
+            with importer.stdin:
+                write(importer.stdin)
+        except BrokenPipeError:
+            pass  # the importer ended early: its status and messages below say why
+        if importer.wait(timeout=timeout_s) != 0:
+            messages.seek(0)
+            said = messages.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(f"importing into {node} failed ({importer.returncode}):\n{said}")
 
 
 def load_images(names: Sequence[str]) -> None:

@@ -6,8 +6,8 @@ up       the control plane and both nodes (rf-cpu-node, rf-gpu-node), CoreDNS an
 down     stops what `up` started and puts the machine back (sysctls, iptables, bridge, mounts, cgroups)
 status   the recorded processes and whether they run
 prepare  everything that is slow the first time (Debian packages, the Kubernetes binaries, CoreDNS,
-         helm, promtool, kube-score, the registry, KWOK, the project's images), with progress, so
-         the tests then start in seconds; `up` waits for a prepare in progress
+         helm, promtool, kube-score, the registry, KWOK, kind and its node image, the project's images),
+         with progress, so the tests then start in seconds; `up` waits for a prepare in progress
 """
 
 from __future__ import annotations
@@ -65,6 +65,12 @@ def prepare(images: list[str]) -> None:
         ensure_binaries()
         ensure_node_binaries()
         ensure_kwok()
+        # Last, for the kind smoke `./dev test` ends with: kind and its node image.
+        from rolloutfleet_testkit.kind.cluster import ensure_kind
+        from rolloutfleet_testkit.kind.nodeimage import node_image
+
+        ensure_kind()
+        node_image()
         built = images_built.result()
     if set(images) >= set(DEFAULT_IMAGES):
         # Every image the suite runs was just built: earlier builds' steps are garbage.
