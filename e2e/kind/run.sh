@@ -7,8 +7,18 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 NAME="${KIND_CLUSTER:-rolloutfleet-e2e}"
 VERSION="$("$ROOT/dev" version)"  # pyproject.toml, the one version source (docs/release.md)
 cd "$ROOT"
+# The directory kind-config.yaml mounts in every node: the tests' hostPath volumes live there.
+SHARED=/tmp/rolloutfleet-kind
+mkdir -p "$SHARED"
 kind create cluster --name "$NAME" --config e2e/kind/kind-config.yaml
 trap 'kind delete cluster --name "$NAME"' EXIT
+# The suite talks to pods by their IPs, as on the local cluster: a route from this host (Linux,
+# root) to each node's pod CIDR through the node's address on the kind network, removed at the end.
+ROUTES=()
+while read -r cidr address; do
+  ip route replace "$cidr" via "$address" && ROUTES+=("$cidr")
+done < <(kubectl get nodes -o jsonpath='{range .items[*]}{.spec.podCIDR} {.status.addresses[?(@.type=="InternalIP")].address}{"\n"}{end}')
+trap 'for cidr in "${ROUTES[@]}"; do ip route del "$cidr" || true; done; kind delete cluster --name "$NAME"' EXIT
 GPU_NODE="$(kubectl get nodes -l nvidia.com/gpu.present=true -o name | head -1)"
 kubectl taint "$GPU_NODE" nvidia.com/gpu=present:NoSchedule --overwrite
 # No GPU either: the GPU node advertises nvidia.com/gpu capacity through its status, as the local
@@ -30,4 +40,5 @@ export KUBECONFIG="$(mktemp)"
 kind get kubeconfig --name "$NAME" > "$KUBECONFIG"
 # Servers the tests run on this host for pods (engine stand-ins) bind the kind network's gateway.
 export ROLLOUTFLEET_HOST_IP="$(docker network inspect kind -f '{{(index .IPAM.Config 0).Gateway}}')"
-./dev test e2e/tests -m e2e "$@"
+export ROLLOUTFLEET_KIND_SHARED="$SHARED"
+./dev test e2e/tests -m e2e --basetemp="$SHARED/pytest" "$@"

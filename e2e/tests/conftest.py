@@ -30,7 +30,15 @@ GPU_IMAGES = ("sglang-emulator",)  # gigabytes (torch): only where engines run
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `kind` run on the kind cluster `./dev kind test` makes: deselected unless the
-    run's -m expression names them (the default run has no Docker to make one)."""
+    run's -m expression names them (the default run has no Docker to make one). Tests marked
+    `local_cluster` use the local cluster's internals: skipped, with their reason, on any other."""
+    if os.environ.get("KUBECONFIG"):
+        for item in items:
+            marker = item.get_closest_marker("local_cluster")
+            if marker is not None:
+                item.add_marker(
+                    pytest.mark.skip(reason=f"on the local cluster only: {marker.kwargs['reason']}")
+                )
     if "kind" in (config.getoption("markexpr") or ""):
         return
     kept = [item for item in items if item.get_closest_marker("kind") is None]
@@ -48,9 +56,15 @@ class Cluster:
     audit_log: Path | None = None  # the API server's audit log (the local control plane writes one)
     node_root: Path | None = None  # the local cluster's state directory (its kubelets can be stopped)
 
+    def tool(self, name: str) -> str:
+        """kubectl or helm: the local cluster's build, else the one on PATH."""
+        found = str(self.bin_dir / name) if self.bin_dir else shutil.which(name)
+        if found is None:
+            raise AssertionError(f"{name} is not on PATH (a cluster from KUBECONFIG uses the PATH's)")
+        return found
+
     def kubectl_client(self) -> Kubectl:
-        binary = str(self.bin_dir / "kubectl") if self.bin_dir else shutil.which("kubectl")
-        return Kubectl(binary, self.kubeconfig, timeout_s=60)
+        return Kubectl(self.tool("kubectl"), self.kubeconfig, timeout_s=60)
 
     def kubectl(
         self, *args: str, check: bool = True, input: str | None = None

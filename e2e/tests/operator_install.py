@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import contextlib
-import shutil
 import subprocess
 from collections.abc import Iterator
 
-import pytest
 from rolloutfleet_testkit import fleet_setup
 
 
@@ -17,9 +15,7 @@ def installed_operator(
 ) -> Iterator[str]:
     """The CRD applied and the operator installed by its chart into `namespace`, watching it; yields
     the operator's Deployment name. Uninstalled (and the namespace deleted) afterwards."""
-    helm = str(cluster.bin_dir / "helm") if cluster.bin_dir else shutil.which("helm")
-    if helm is None:
-        pytest.skip("installs the operator with helm, which is not on PATH")
+    helm = cluster.tool("helm")
     cluster.kubectl("apply", "-f", str(fleet_setup.CRDS))
     cluster.kubectl_client().wait_established("rolloutfleets.rolloutfleet.dev")
     cluster.kubectl("create", "namespace", namespace)

@@ -30,9 +30,7 @@ MODES = {
 
 @pytest.mark.parametrize("values", MODES.values(), ids=MODES.keys())
 def test_everything_rendered_passes_a_server_side_dry_run(cluster, namespace, values):
-    if cluster.bin_dir is None:
-        pytest.skip("uses the helm built with the local control plane")
-    args = [str(cluster.bin_dir / "helm"), "template", "dry", str(CHART), "--namespace", namespace]
+    args = [cluster.tool("helm"), "template", "dry", str(CHART), "--namespace", namespace]
     args += ["--kube-version", "1.35.4"]
     for value in values:
         args += ["--set", value]

@@ -19,12 +19,10 @@ def can(cluster, verb: str, resource: str, namespace: str, who: str) -> bool:
 
 
 def test_namespaced_install_is_least_privilege(cluster, namespace):
-    if cluster.bin_dir is None:
-        pytest.skip("uses the helm built with the local control plane")
     watched = namespace
     install = subprocess.run(
         [
-            str(cluster.bin_dir / "helm"),
+            cluster.tool("helm"),
             "--kubeconfig",
             cluster.kubeconfig,
             "install",
@@ -74,7 +72,7 @@ def test_namespaced_install_is_least_privilege(cluster, namespace):
     finally:
         subprocess.run(
             [
-                str(cluster.bin_dir / "helm"),
+                cluster.tool("helm"),
                 "--kubeconfig",
                 cluster.kubeconfig,
                 "uninstall",

@@ -25,7 +25,10 @@ from rolloutfleet_testkit.processes import serve_app
 from rolloutfleet_testkit.upstream_stub import create_app as create_upstream_stub
 from rolloutfleet_testkit.waiting import wait_for
 
-pytestmark = pytest.mark.e2e
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.local_cluster(reason="drains and stops the local cluster's kubelets"),
+]
 
 NAMESPACE = "node-failures"
 GPU_NODE = "rf-gpu-node"
@@ -50,8 +53,6 @@ SPREAD = {
 
 @pytest.fixture(scope="module")
 def operator_namespace(cluster):
-    if not cluster.local:
-        pytest.skip("drains and stops the local cluster's nodes")
     with installed_operator(cluster, NAMESPACE, "nf"):
         yield NAMESPACE
 

@@ -134,14 +134,13 @@ def summary(requests) -> str:
     )
 
 
+@pytest.mark.local_cluster(reason="counts requests in the local API server's audit log")
 def test_a_fleet_at_rest_costs_at_most_two_requests_per_resync_and_no_write(
     cluster, operator, test_tokenizer_dir
 ):
     """Counted at the API server (its audit log): once a fleet is Ready and its status settled,
     a minute of resyncs and memory checks reads from the watch caches and writes nothing. Then a
     roll of its two proxies, counted the same way."""
-    if cluster.audit_log is None:
-        pytest.skip("counts requests in the local control plane's audit log")
     namespace = operator.namespace
     with serve_app(create_engine_app(str(test_tokenizer_dir), seed=0), host=cluster.host_ip) as engine_url:
         fleet = fleet_setup.external_fleet("quiet", namespace, test_tokenizer_dir, engine_url, replicas=2)

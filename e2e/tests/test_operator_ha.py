@@ -161,6 +161,9 @@ def drop_rule(action: str, netns: str, host: str, port: str) -> None:
     )
 
 
+@pytest.mark.local_cluster(
+    reason="stalls a pod's network on the local nodes and reads the local API server's audit log"
+)
 def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_dir):
     """The leader's traffic to the API server is dropped (an iptables rule in its pod's network
     namespace): it can no longer renew, so it exits two thirds into the Lease; the standby takes the
@@ -168,10 +171,6 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
     leader never saw. Counted at the API server (its audit log, by client address): no write of the
     old leader is received after the new one's first, during the stall or after the traffic flows
     again."""
-    if not cluster.local or cluster.audit_log is None:
-        pytest.skip(
-            "stalls a pod's network on this machine's nodes and reads the local API server's audit log"
-        )
     namespace = STALL_NAMESPACE
 
     with (

@@ -179,9 +179,8 @@ def test_a_pod_on_one_node_reaches_a_pod_on_the_other_through_a_service(cluster,
 OUTSIDE = "198.51.100.1"  # TEST-NET-2: routed out of this machine's uplink, answered by nobody
 
 
+@pytest.mark.local_cluster(reason="the guard is the local cluster's (kind keeps its own pod network)")
 def test_pods_never_reach_beyond_this_machine(cluster, namespace):
-    if not cluster.local:
-        pytest.skip("the guard is the local cluster's (kind keeps its own pod network)")
     import subprocess
 
     from rolloutfleet_testkit.node import host

@@ -3,6 +3,8 @@ kindnetd, the runtime wrapper, the node image's systemd links, and the host-stat
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import io
 import ipaddress
 import json
@@ -13,6 +15,7 @@ import tarfile
 import pytest
 import yaml
 from rolloutfleet_testkit.images.oci import stream_image_archive, tar_layer, write_image_archive
+from rolloutfleet_testkit.images.registry import compressed_layer
 from rolloutfleet_testkit.kind import config, host, nodeimage
 from rolloutfleet_testkit.kind.cluster import nodes_for
 from rolloutfleet_testkit.node.binaries import KUBEADM_COREDNS_PLUGINS, coredns_main
@@ -216,3 +219,22 @@ def test_a_streamed_archive_is_the_written_one_byte_for_byte(tmp_path):
     with tarfile.open(fileobj=io.BytesIO(streamed.getvalue())) as archive:
         names = archive.getnames()
     assert "manifest.json" in names and any(n.endswith("/layer.tar") for n in names)
+
+
+def test_a_compressed_stream_holds_gzip_layers_under_their_uncompressed_digests(tmp_path):
+    """What the kind loader sends: each layer gzip-compressed (containerd stores it so), the image's
+    config still naming the uncompressed layers (the diff ids the unpacked tree is checked against)."""
+    tree = tmp_path / "tree"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "hello").write_text("hi\n" * 1000)
+    layer = tar_layer(tree, tmp_path / "layer.tar")
+    packed = compressed_layer(layer).file()
+    streamed = io.BytesIO()
+    stream_image_archive(streamed, [layer], {"Cmd": ["/hello"]}, ["hello:1"], [packed])
+    with tarfile.open(fileobj=io.BytesIO(streamed.getvalue())) as archive:
+        manifest = json.loads(archive.extractfile("manifest.json").read())[0]
+        config = json.loads(archive.extractfile(manifest["Config"]).read())
+        sent = archive.extractfile(manifest["Layers"][0]).read()
+    assert sent == packed.read_bytes() and sent[:2] == b"\x1f\x8b"
+    assert gzip.decompress(sent) == layer.read_bytes()
+    assert config["rootfs"]["diff_ids"] == [f"sha256:{hashlib.sha256(layer.read_bytes()).hexdigest()}"]

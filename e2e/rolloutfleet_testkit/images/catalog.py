@@ -23,7 +23,7 @@ from .base import STANDS_IN_FOR, base_key, base_layer, say
 from .build import build
 from .cache import images_cache
 from .oci import import_archive, normalized, stream_image_archive, write_image_archive
-from .registry import Blob, PushError, archive_blobs, image_blobs, push, target
+from .registry import Blob, PushError, archive_blobs, compressed_layer, image_blobs, push, target
 from .static import static_image
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -91,13 +91,15 @@ class Built:
             return archive_blobs(self.prebuilt, images_cache() / "push" / self.prebuilt.stem)
         return image_blobs(self.layers, self.config)
 
-    def stream(self, file: BinaryIO) -> None:
-        """The archive `archive` writes, written to `file` (a pipe into an importer)."""
+    def stream(self, file: BinaryIO, compressed: bool = False) -> None:
+        """The archive `archive` writes, written to `file` (a pipe into an importer); `compressed`:
+        with the layers gzip-compressed (once, then cached beside them, as for a push)."""
         if self.prebuilt is not None:
             with self.prebuilt.open("rb") as archive:
                 shutil.copyfileobj(archive, file, 1 << 20)
-        else:
-            stream_image_archive(file, self.layers, self.config, self.names)
+            return
+        packed = [compressed_layer(layer).file() for layer in self.layers] if compressed else None
+        stream_image_archive(file, self.layers, self.config, self.names, packed)
 
     def archive(self) -> Path:
         if self.prebuilt is not None:

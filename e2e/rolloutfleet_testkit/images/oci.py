@@ -83,12 +83,19 @@ def write_image_archive(out: Path, layers: list[Path], config: dict[str, Any], n
 
 
 def stream_image_archive(
-    file: BinaryIO, layers: list[Path], config: dict[str, Any], names: list[str]
+    file: BinaryIO,
+    layers: list[Path],
+    config: dict[str, Any],
+    names: list[str],
+    packed: list[Path] | None = None,
 ) -> None:
     """The archive `write_image_archive` writes, written to `file` as a stream (a pipe into an
-    importer: no copy of gigabytes of layers on disk)."""
+    importer: no copy of gigabytes of layers on disk). `packed`: the layers gzip-compressed, put in
+    their place (containerd detects the compression and stores them so: a third of the space)."""
     if not layers or not names:
         raise ValueError("an image needs at least one layer and one name")
+    if packed is not None and len(packed) != len(layers):
+        raise ValueError("one compressed file per layer")
     diff_ids = [sha256_file(layer) for layer in layers]
     document = config_document(config, diff_ids)
     config_name = f"{hashlib.sha256(document).hexdigest()}.json"
@@ -96,7 +103,8 @@ def stream_image_archive(
     manifest = [{"Config": config_name, "RepoTags": list(names), "Layers": layer_names}]
     with tarfile.open(fileobj=file, mode="w|", format=tarfile.PAX_FORMAT) as archive:
         _add_bytes(archive, config_name, document)
-        for name, layer in dict(zip(layer_names, layers, strict=True)).items():  # a repeated layer once
+        files = packed if packed is not None else layers
+        for name, layer in dict(zip(layer_names, files, strict=True)).items():  # a repeated layer once
             info = tarfile.TarInfo(name)
             info.size, info.mode = layer.stat().st_size, 0o644
             with layer.open("rb") as data:

@@ -55,6 +55,11 @@ class Blob:
     def of_bytes(cls, media_type: str, data: bytes) -> Blob:
         return cls(media_type, f"sha256:{hashlib.sha256(data).hexdigest()}", len(data), data=data)
 
+    def file(self) -> Path:
+        if self.path is None:
+            raise ValueError(f"blob {self.digest} is held in memory, not in a file")
+        return self.path
+
     def descriptor(self) -> dict:
         return {"mediaType": self.media_type, "digest": self.digest, "size": self.size}
 

@@ -18,6 +18,7 @@ import sys
 from rolloutfleet_testkit.controlplane.build import binaries_dir
 
 from .cluster import DEFAULT_IMAGES, down, environment_lines, up
+from .config import SHARED_ENV
 
 # The smoke CI runs (`./dev test` ends with it): the GPU sample fleet, its engine the SGLang emulator.
 SMOKE = ("e2e/tests/test_kind_smoke.py", "-m", "kind", "-k", "test_gpu_sample_fleet", "-x", "-q")
@@ -48,8 +49,12 @@ def main(argv: list[str] | None = None) -> int:
             env = up(images)
             # kubectl and helm for the suite (it takes them from PATH on a cluster it did not start).
             env["PATH"] = f"{binaries_dir()}{os.pathsep}{os.environ.get('PATH', '')}"
+            pytest_args = list(args or SMOKE)
+            if not any(arg.startswith("--basetemp") for arg in pytest_args):
+                # The tests' files (tokenizer, dumps: hostPath volumes) where both nodes see them.
+                pytest_args.append(f"--basetemp={env[SHARED_ENV]}/pytest")
             status = subprocess.run(
-                [sys.executable, "-m", "pytest", *(args or SMOKE)], env={**os.environ, **env}
+                [sys.executable, "-m", "pytest", *pytest_args], env={**os.environ, **env}
             ).returncode
         finally:
             down()
