@@ -137,10 +137,12 @@ def compressed_layer(layer: Path) -> Blob:
     digest_file = layer.with_name(layer.name + ".gz.sha256")
     if not (out.exists() and digest_file.exists()):
         partial = out.with_name(out.name + ".partial")
+        # Level 1: 57 MB/s here against 25 at level 6, for 4% more bytes (the SGLang emulator's
+        # 5.5 GB torch layer: ~100 s instead of 220).
         with (
             layer.open("rb") as source,
             partial.open("wb") as raw,
-            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as packed,
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=1) as packed,
         ):
             while chunk := source.read(CHUNK):
                 packed.write(chunk)
