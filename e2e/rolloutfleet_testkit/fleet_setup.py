@@ -35,6 +35,8 @@ OPERATOR_IMAGE = "rolloutfleet-operator"  # images/operator, tagged with the cha
 # Tagged with the project's version (pyproject.toml), as the images catalog names them.
 TESTKIT_IMAGE = image_name("testkit")
 EMULATOR_IMAGE = image_name("sglang-emulator")
+# SGLang's command line for the fixed-latency stand-in in the test kit's image (images/testkit).
+FIXED_LATENCY_SGLANG = "/opt/sglang-fixed-latency"
 OPERATOR_LABEL = "app.kubernetes.io/name=rolloutfleet-operator"
 OPERATOR_METRICS_PORT = 8080  # the chart's metricsPort
 WEIGHTS_MOUNT = "/weights"  # where local_fleet's engines see weights_dir
@@ -52,10 +54,13 @@ def local_fleet(
     memory: dict[str, Any] | None = None,
     engine_token_delay_s: float | None = None,
     weights_dir: str | Path | None = None,
+    fixed_latency_engines: bool = False,
 ) -> dict[str, Any]:
     """The GPU sample, adapted to the local cluster (pure apart from reading the sample file).
     `engine_token_delay_s` slows the emulated engines' decode steps (generations stay in flight);
-    `weights_dir` is mounted into the engines at WEIGHTS_MOUNT, for weight updates from disk."""
+    `weights_dir` is mounted into the engines at WEIGHTS_MOUNT, for weight updates from disk;
+    `fixed_latency_engines`: the engines run the fixed-latency stand-in from the test kit's image
+    (no model: fixed tokens) instead of the SGLang emulator (gigabytes of torch)."""
     fleet = yaml.safe_load(GPU_SAMPLE.read_text())
     fleet["metadata"] = {"name": name, "namespace": namespace}
     proxy, engine = fleet["spec"]["proxy"], fleet["spec"]["engines"]
@@ -71,6 +76,9 @@ def local_fleet(
     proxy["memory"] = copy.deepcopy(memory) if memory is not None else {"rssBudgetBytes": 0}
     fleet["spec"]["gateway"]["resources"] = {"requests": {"cpu": "100m", "memory": "128Mi"}}
     engine["image"] = EMULATOR_IMAGE
+    if fixed_latency_engines:
+        engine["image"] = TESTKIT_IMAGE
+        engine["env"] = [{"name": "PYTHONPATH", "value": FIXED_LATENCY_SGLANG}]
     engine["resources"] = {"requests": {"cpu": "500m", "memory": "1Gi"}}
     engine["modelPath"] = "/models"
     engine["volumes"] = [{"name": "model", "hostPath": {"path": str(tokenizer_dir), "type": "Directory"}}]

@@ -21,12 +21,13 @@ import asyncio
 import base64
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import orjson
 
 from .asgi import lifespan, read_body, send_json
+from .sglang_args import launch_flags
 
 SERVED_MODEL_NAME = "rolloutfleet-upstream-stub"
 # Every stub token gets this logprob (the stub has no model; a constant is easy to check).
@@ -237,3 +238,19 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def stand_in_args(sglang_args: Sequence[str]) -> list[str]:
+    """SGLang launch_server arguments → the stand-in's: where to listen; the rest (model path,
+    parallelism, memory) means nothing to it (pure)."""
+    flags = launch_flags(sglang_args)
+    return [word for flag in ("--host", "--port") if flags.get(flag) for word in (flag, str(flags[flag]))]
+
+
+def sglang_main() -> None:
+    """`python -m sglang.launch_server ARGS` in an engine pod running the test kit's image (its
+    `sglang` shim, images/testkit): this stand-in in place of SGLang, for clusters short of the disk
+    the SGLang emulator's torch image takes."""
+    import sys
+
+    main(stand_in_args(sys.argv[1:]))

@@ -13,6 +13,7 @@ import tarfile
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from rolloutfleet_testkit.images import build, dockerfile
 from rolloutfleet_testkit.images.build import (
@@ -25,7 +26,9 @@ from rolloutfleet_testkit.images.build import (
 )
 from rolloutfleet_testkit.images.catalog import image_name
 from rolloutfleet_testkit.images.oci import tar_layer, write_image_archive
+from rolloutfleet_testkit.sglang_args import launch_flags
 from rolloutfleet_testkit.sglang_emulator.sglang_cli import emulator_args
+from rolloutfleet_testkit.upstream_stub import stand_in_args
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="owners and device nodes need root")
 
@@ -241,6 +244,19 @@ def test_sglang_flags_in_every_spelling_become_the_emulators():
     assert emulator_args(["--max-total-tokens", "700000"]) == ["--cache-capacity-tokens", "700000"]
 
 
+def test_the_fixed_latency_stand_in_takes_where_to_listen_from_sglangs_command_line():
+    """What the operator runs in an engine pod, read by the stand-in in the test kit's image."""
+    args = ["--model-path", "/models", "--host", "0.0.0.0", "--port=30000", "--tp-size", "1", "--enable-x"]
+    assert stand_in_args(args) == ["--host", "0.0.0.0", "--port", "30000"]
+    assert stand_in_args(["--tp-size", "2"]) == []
+    assert launch_flags(["x", "--a", "1", "--b", "--c=3", "--d"]) == {
+        "--a": "1",
+        "--b": None,
+        "--c": "3",
+        "--d": None,
+    }
+
+
 def test_pruning_keeps_the_steps_of_the_current_builds_only(tmp_path, monkeypatch):
     from rolloutfleet_testkit.images import build as build_module
 
@@ -398,3 +414,22 @@ def test_two_builders_of_the_base_image_take_turns(tmp_path, monkeypatch):
     with ThreadPoolExecutor(2) as pool:  # flock locks conflict across open files, threads included
         list(pool.map(lambda _: base.base_layer(), range(2)))
     assert most == [1, 1]
+
+
+def test_the_test_kit_images_sglang_shim_serves_the_fixed_latency_stand_in_as_the_operator_runs_engines():
+    """The engine container's command (`python3 -m sglang.launch_server` with the operator's flags),
+    the shim on PYTHONPATH as a fleet's `engines.env` puts it: the stand-in answers the readiness
+    probe's /health and a /generate on the port it was given."""
+    from rolloutfleet_testkit.processes import ServerProcess, free_port, python_module
+
+    port = free_port()
+    shim = Path(__file__).resolve().parents[2] / "images" / "testkit" / "sglang_shim"
+    args = ["--model-path", "/models", "--host", "127.0.0.1", "--port", str(port), "--tp-size", "1"]
+    with ServerProcess(python_module("sglang.launch_server", *args), env={"PYTHONPATH": str(shim)}) as engine:
+        engine.wait_ready(f"http://127.0.0.1:{port}/health")
+        answer = httpx.post(
+            f"http://127.0.0.1:{port}/generate",
+            json={"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}},
+            timeout=30,
+        ).json()
+    assert answer["output_ids"] and answer["meta_info"]["prompt_tokens"] == 3

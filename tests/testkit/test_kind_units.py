@@ -203,6 +203,7 @@ def test_kind_tree_lays_kinds_base_files_and_our_parts_over_a_rootfs(tmp_path):
 def test_the_engines_image_goes_to_the_gpu_nodes_and_the_others_to_the_rest():
     assert nodes_for("sglang-emulator", ["w"], ["cp"]) == ["w"]
     assert nodes_for("proxy", ["w"], ["cp"]) == ["cp"]
+    assert nodes_for("testkit", ["w"], ["cp"]) == ["cp", "w"]  # its stand-ins run as engines too
 
 
 def test_a_streamed_archive_is_the_written_one_byte_for_byte(tmp_path):

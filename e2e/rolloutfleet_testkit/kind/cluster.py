@@ -124,16 +124,20 @@ def host_ip() -> str:
     return checked("docker", "network", "inspect", "kind", "-f", "{{(index .IPAM.Config 0).Gateway}}").strip()
 
 
-# Only where engines run (the SGLang emulator's torch layers are gigabytes), as on the local cluster;
-# the other images only on the untainted nodes, where everything else runs.
+# Where each image goes: where the pods that run it can be scheduled. The SGLang emulator only on
+# the GPU node (its torch layers are gigabytes), as on the local cluster; the test kit's image (its
+# stand-ins run on both: engines too) everywhere; the others on the untainted nodes.
 GPU_IMAGES = ("sglang-emulator",)
+EVERYWHERE = ("testkit",)
 # What `kind load` runs on a node (kind's nodeutils), fed from a pipe: the archive is never written.
 NODE_IMPORT = ("ctr", "--namespace=k8s.io", "images", "import", "--all-platforms", "--digests")
 
 
-def nodes_for(image: str, gpu_nodes: Sequence[str], other_nodes: Sequence[str]) -> Sequence[str]:
-    """The nodes an image is loaded into: where the pods that run it can be scheduled (pure)."""
-    return gpu_nodes if image in GPU_IMAGES else other_nodes
+def nodes_for(image: str, gpu_nodes: Sequence[str], other_nodes: Sequence[str]) -> list[str]:
+    """The nodes an image is loaded into (pure)."""
+    if image in EVERYWHERE:
+        return [*other_nodes, *gpu_nodes]
+    return list(gpu_nodes if image in GPU_IMAGES else other_nodes)
 
 
 def stream_into_node(node: str, write: Callable[[BinaryIO], None], timeout_s: float = 1800) -> None:

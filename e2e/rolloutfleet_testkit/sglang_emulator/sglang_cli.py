@@ -1,6 +1,6 @@
 """SGLang's own command line for the SGLang emulator (a test stand-in for GPU SGLang servers), so
 the engine pods the operator builds (`python3 -m sglang.launch_server --model-path … --tp-size …`)
-run it unchanged in the test kit's image (images/testkit, whose `sglang` shim calls `main`).
+run it unchanged in the emulator's image (images/sglang-emulator, whose `sglang` shim calls `main`).
 
   --model-path/--model P → --tokenizer-path P (an explicit --tokenizer-path wins)
   --host, --port, --log-level, --context-length, --weight-version kept;
@@ -14,6 +14,8 @@ run it unchanged in the test kit's image (images/testkit, whose `sglang` shim ca
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from rolloutfleet_testkit.sglang_args import launch_flags
 
 ENGINE_FLAGS = {
     "--model-path": "--tokenizer-path",
@@ -36,19 +38,7 @@ def emulator_args(args: Sequence[str]) -> list[str]:
     """SGLang launch_server arguments → the emulator's (pure)."""
     values: dict[str, str] = {}
     model_path: str | None = None
-    i = 0
-    while i < len(args):
-        word = args[i]
-        if not word.startswith("--"):
-            i += 1  # a stray positional: SGLang takes none; drop it
-            continue
-        flag, has_inline, inline = word.partition("=")
-        if has_inline:
-            value, i = inline, i + 1
-        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
-            value, i = args[i + 1], i + 2
-        else:
-            value, i = None, i + 1  # a boolean flag
+    for flag, value in launch_flags(args).items():
         if value is None or flag not in ENGINE_FLAGS:
             continue
         if flag in ("--model-path", "--model"):
