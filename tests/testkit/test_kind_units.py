@@ -18,7 +18,7 @@ from rolloutfleet_testkit.images.oci import stream_image_archive, tar_layer, wri
 from rolloutfleet_testkit.images.registry import compressed_layer
 from rolloutfleet_testkit.kind import config, host, nodeimage
 from rolloutfleet_testkit.kind.cluster import nodes_for
-from rolloutfleet_testkit.node.binaries import KUBEADM_COREDNS_PLUGINS, coredns_main
+from rolloutfleet_testkit.node.binaries import COREDNS_PLUGINS, coredns_main
 
 
 def test_cluster_config_has_a_control_plane_and_a_tainted_labelled_gpu_worker_without_kindnetd():
@@ -128,8 +128,8 @@ def test_wanted_by_reads_the_install_section():
     assert nodeimage.wanted_by("[Unit]\n") == []
 
 
-def test_kubeadm_coredns_imports_the_metrics_package_for_the_prometheus_directive():
-    main = coredns_main(KUBEADM_COREDNS_PLUGINS)
+def test_the_coredns_build_imports_the_metrics_package_for_kubeadms_prometheus_directive():
+    main = coredns_main(COREDNS_PLUGINS)
     assert '"github.com/coredns/coredns/plugin/metrics"' in main
     assert "plugin/prometheus" not in main
     assert '"prometheus", "errors"' in main and '"loop", "forward"}' in main

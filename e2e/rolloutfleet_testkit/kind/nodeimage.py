@@ -19,11 +19,13 @@ from rolloutfleet_testkit.images.base import debootstrap
 from rolloutfleet_testkit.images.cache import images_cache
 from rolloutfleet_testkit.images.oci import import_archive, sha256_file, tar_layer, write_image_archive
 from rolloutfleet_testkit.images.static import static_image
-from rolloutfleet_testkit.node.binaries import ensure_kubeadm_coredns, ensure_node_binaries
+from rolloutfleet_testkit.node.binaries import PAUSE_VERSION, coredns_binary, ensure_node_binaries
 
 from .config import KIND_VERSION, image_names
 
 NODE_IMAGE = f"rolloutfleet.local/kind-node:{KUBERNETES_VERSION}"
+# The control plane's programs in the one image kubeadm's static pods and kube-proxy run.
+COMPONENTS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy", "etcd")
 # kind's base image's packages (images/base/Dockerfile), with containerd, runc and the CNI plugins
 # from Debian instead of kind's own builds of them from source checkouts.
 NODE_PACKAGES = (
@@ -175,13 +177,10 @@ def component_archives(rootfs_layer: Path, work: Path, kubeadm: Path) -> list[Pa
     bins = binaries_dir()
     binaries = work / "component-bin"
     (binaries / "usr/local/bin").mkdir(parents=True)
-    for name in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy", "etcd"):
+    for name in COMPONENTS:
         shutil.copy2(bins / name, binaries / "usr/local/bin" / name)
     bin_layer = tar_layer(binaries, work / "component-bin.tar")
-    components = [
-        names[c]
-        for c in ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kube-proxy", "etcd")
-    ]
+    components = [names[c] for c in COMPONENTS]
     kube = write_image_archive(
         work / "kube.tar",
         [rootfs_layer, bin_layer],
@@ -189,8 +188,10 @@ def component_archives(rootfs_layer: Path, work: Path, kubeadm: Path) -> list[Pa
         components,
     )
     node_bin = ensure_node_binaries()
-    pause = static_image(node_bin / "pause-1", names["pause"], ["/pause"], more_names=(KIND_SANDBOX_IMAGE,))
-    coredns = static_image(ensure_kubeadm_coredns(), names["coredns"], ["/coredns"])
+    pause = static_image(
+        node_bin / f"pause-{PAUSE_VERSION}", names["pause"], ["/pause"], more_names=(KIND_SANDBOX_IMAGE,)
+    )
+    coredns = static_image(coredns_binary(), names["coredns"], ["/coredns"])
     return [kube, pause, coredns]
 
 
@@ -242,10 +243,15 @@ def node_image() -> Path:
     kubernetes_bins = {"kubeadm": kubeadm, "kubelet": bins / "kubelet", "kubectl": bins / "kubectl"}
     rootfs_layer = node_rootfs()
     files = kind_base_files()
+    node_bin = ensure_node_binaries()
     inputs = [
         rootfs_layer,
         kubeadm,
         *kubernetes_bins.values(),
+        # What the preloaded images hold (component_archives): a new build of any changes the image.
+        *(bins / name for name in COMPONENTS),
+        coredns_binary(),
+        node_bin / f"pause-{PAUSE_VERSION}",
         *sorted(p for p in files.rglob("*") if p.is_file()),
     ]
     digest = hashlib.sha256(f"{KIND_VERSION} {KUBERNETES_VERSION} v1".encode())
@@ -255,6 +261,8 @@ def node_image() -> Path:
     out = images_cache() / "kind" / f"node-{key}.tar"
     if out.exists():
         return out
+    for stale in out.parent.glob("node-*.tar"):  # other inputs' builds: 1.5 GB each
+        stale.unlink()
     started = time.monotonic()
     work = images_cache() / "kind" / f"work-{key}"
     shutil.rmtree(work, ignore_errors=True)

@@ -9,6 +9,7 @@ module proxy and cached per version beside the control plane's binaries.
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -17,23 +18,10 @@ from rolloutfleet_testkit.controlplane.build import build_main_module, cache_roo
 COREDNS_VERSION = "v1.14.7"
 PAUSE_VERSION = "1"
 
-# Plugins in CoreDNS's own execution order (core/dnsserver's directive list, reduced).
+# Plugins in CoreDNS's own execution order (core/dnsserver's directive list, reduced): what the local
+# cluster's Corefile uses and kubeadm's (kind's clusters run it), which adds prometheus, loop and
+# forward. One build serves both.
 COREDNS_PLUGINS = (
-    "reload",
-    "bind",
-    "ready",
-    "health",
-    "errors",
-    "log",
-    "loadbalance",
-    "cache",
-    "hosts",
-    "kubernetes",
-)
-
-# kubeadm's Corefile (what kind's clusters run) also uses prometheus, loop and forward, in CoreDNS's
-# directive order.
-KUBEADM_COREDNS_PLUGINS = (
     "reload",
     "bind",
     "ready",
@@ -104,11 +92,17 @@ def node_binaries_dir() -> Path:
     return cache_root() / "node-bin"
 
 
+def coredns_binary() -> Path:
+    """Where the CoreDNS build is cached: named by its version and plugins (another set rebuilds)."""
+    plugins = hashlib.sha256(" ".join(COREDNS_PLUGINS).encode()).hexdigest()[:8]
+    return node_binaries_dir() / f"coredns-{COREDNS_VERSION}-{plugins}"
+
+
 def ensure_node_binaries() -> Path:
     """coredns and pause in the cache (built on first use); returns their directory."""
     bin_dir = node_binaries_dir()
     bin_dir.mkdir(parents=True, exist_ok=True)
-    coredns = bin_dir / f"coredns-{COREDNS_VERSION}"
+    coredns = coredns_binary()
     pause = bin_dir / f"pause-{PAUSE_VERSION}"
     if not (coredns.exists() and pause.exists()) and shutil.which("go") is None:
         raise RuntimeError("Go is needed to build CoreDNS and the pause program")
@@ -119,18 +113,3 @@ def ensure_node_binaries() -> Path:
         say(f"building the pause program {PAUSE_VERSION}")
         build_main_module("pause", PAUSE_MAIN, {}, pause)
     return bin_dir
-
-
-def ensure_kubeadm_coredns() -> Path:
-    """The CoreDNS kubeadm's Corefile needs (KUBEADM_COREDNS_PLUGINS), built on first use."""
-    path = node_binaries_dir() / f"coredns-kubeadm-{COREDNS_VERSION}"
-    if not path.exists():
-        plugins = ", ".join(KUBEADM_COREDNS_PLUGINS)
-        say(f"building CoreDNS {COREDNS_VERSION} for kubeadm's Corefile ({plugins})")
-        build_main_module(
-            "coredns-kubeadm",
-            coredns_main(KUBEADM_COREDNS_PLUGINS),
-            {"github.com/coredns/coredns": COREDNS_VERSION},
-            path,
-        )
-    return path

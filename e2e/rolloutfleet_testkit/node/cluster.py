@@ -46,7 +46,7 @@ from rolloutfleet_testkit.processes import free_port, free_ports
 from rolloutfleet_testkit.waiting import log_tail, wait_for
 
 from . import host
-from .binaries import COREDNS_VERSION, PAUSE_VERSION, ensure_node_binaries
+from .binaries import PAUSE_VERSION, coredns_binary, ensure_node_binaries
 from .config import (
     BRIDGE_IP,
     COREDNS_IMAGE,
@@ -219,7 +219,7 @@ def _containerd_up(dirs: NodeDirs) -> bool:
 def _node_images(bin_dir: Path) -> list[Path]:
     return [
         static_image(bin_dir / f"pause-{PAUSE_VERSION}", PAUSE_IMAGE, ["/bin/pause"]),
-        static_image(bin_dir / f"coredns-{COREDNS_VERSION}", COREDNS_IMAGE, ["/bin/coredns"]),
+        static_image(coredns_binary(), COREDNS_IMAGE, ["/bin/coredns"]),
     ]
 
 
