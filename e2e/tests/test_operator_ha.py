@@ -250,11 +250,20 @@ def test_a_stalled_leader_stops_before_the_standby_acts(cluster, test_tokenizer_
         requests = [
             r for r in audit.parse_requests(lines) if r.user.startswith(f"system:serviceaccount:{namespace}:")
         ]
-    old_writes = [r for r in requests if r.source_ip == leader_ip and r.write and "/leases/" not in r.uri]
+    # Lease requests are the election itself, not acting: a standby starting beside the leader tries
+    # to create the Lease too (a POST to the collection, `/leases` without a name); it must have failed.
+    standby_lease_writes = [
+        r
+        for r in requests
+        if r.source_ip == standby_ip and r.write and "/leases" in r.uri
+        if term_began <= r.received <= stalled_at
+    ]
+    assert all(r.code is not None and r.code >= 400 for r in standby_lease_writes), standby_lease_writes
+    old_writes = [r for r in requests if r.source_ip == leader_ip and r.write and "/leases" not in r.uri]
     new_writes = [
         r
         for r in requests
-        if r.source_ip == standby_ip and r.write and "/leases/" not in r.uri and r.received >= term_began
+        if r.source_ip == standby_ip and r.write and "/leases" not in r.uri and r.received >= term_began
     ]
     assert old_writes and new_writes  # both acted, each in its time: the fleet's pods, status, Events
     first_new = min(r.received for r in new_writes)

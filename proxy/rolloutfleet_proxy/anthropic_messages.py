@@ -33,7 +33,6 @@ from rolloutfleet_wire.errors import ErrorCode
 
 from .dialects import Answered, ParsedTurn, RequestContext, sse_event
 from .errors import ProxyError, bad_request, not_a_json_object
-from .openai_format import parse_chat_request
 from .replies import Reply
 
 ROLES = ("user", "assistant")
@@ -305,18 +304,8 @@ class MessagesDialect:
         kwargs = _template_kwargs(body)
         if kwargs is not None:
             chat["chat_template_kwargs"] = kwargs
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise bad_request(ErrorCode.INVALID_PARAMETER, "stream must be a boolean")
-        chat["stream"] = stream
-        request = parse_chat_request(
-            chat,
-            context.default_max_tokens,
-            context.template_kwargs,
-            context.tool_parser,
-            1,
-            context.idempotency_key,
-        )
+        chat["stream"] = body.get("stream", False)  # checked with the chat request
+        request = context.one_sample_turn(chat)
         return ParsedTurn(request)
 
     def answer(self, answered: Answered) -> bytes | Iterator[bytes]:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import orjson
 
 from .chat_tokens import TurnTokenizer
-from .openai_format import ChatRequest
+from .openai_format import ChatRequest, parse_chat_request
 from .turns import TurnResult
 
 
@@ -37,6 +37,19 @@ class RequestContext:
     tool_parser: str | None
     max_samples: int
     idempotency_key: str | None  # the Idempotency-Key header
+
+    def one_sample_turn(self, chat: dict[str, Any], previous: int | None = None) -> ChatRequest:
+        """The chat request a dialect's body is equivalent to, validated as a chat turn (its `stream`
+        included); one sample, as the Messages and Responses APIs have no `n`."""
+        return parse_chat_request(
+            chat,
+            self.default_max_tokens,
+            self.template_kwargs,
+            self.tool_parser,
+            1,
+            self.idempotency_key,
+            previous,
+        )
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ from rolloutfleet_wire.errors import ErrorCode
 
 from .dialects import Answered, ParsedTurn, RequestContext, sse_event
 from .errors import ProxyError, bad_request, not_a_json_object
-from .openai_format import parse_chat_request
 from .replies import Reply
 
 MESSAGE_ROLES = frozenset({"user", "assistant", "system", "developer"})
@@ -287,19 +286,8 @@ class ResponsesDialect:
         choice = _tool_choice(body.get("tool_choice"))
         if choice is not None:
             chat["tool_choice"] = choice
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise bad_request(ErrorCode.INVALID_PARAMETER, "stream must be a boolean")
-        chat["stream"] = stream
-        request = parse_chat_request(
-            chat,
-            context.default_max_tokens,
-            context.template_kwargs,
-            context.tool_parser,
-            1,
-            context.idempotency_key,
-            previous,
-        )
+        chat["stream"] = body.get("stream", False)  # checked with the chat request
+        request = context.one_sample_turn(chat, previous)
         temperature, top_p = request.sampling_params.get("temperature"), request.sampling_params.get("top_p")
         echo = {
             "instructions": body.get("instructions"),
