@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from rolloutfleet_testkit.kubectl import Kubectl
+from rolloutfleet_testkit.node.config import GPU_LABEL
 
 # What the e2e tests run: the product's images and the test kit's (stand-ins and the real router).
 IMAGES = ("proxy", "operator", "sglang-router", "testkit", "busybox")
@@ -64,7 +65,7 @@ class Cluster:
         return found
 
     def kubectl_client(self) -> Kubectl:
-        return Kubectl(self.tool("kubectl"), self.kubeconfig, timeout_s=60)
+        return Kubectl(self.tool("kubectl"), self.kubeconfig, timeout_s=300)
 
     def kubectl(
         self, *args: str, check: bool = True, input: str | None = None
@@ -73,6 +74,13 @@ class Cluster:
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)} failed ({result.returncode}):\n{result.stderr}")
         return result
+
+    def node_names(self, gpu: bool) -> set[str]:
+        """The GPU-like nodes (labelled as the GPU Operator labels them) or the others: rf-gpu-node
+        and rf-cpu-node on the local cluster, the worker and the control-plane node on kind."""
+        selector = f"{GPU_LABEL}=true" if gpu else f"{GPU_LABEL}!=true"
+        names = self.kubectl("get", "nodes", "-l", selector, "-o", "name").stdout.split()
+        return {name.removeprefix("node/") for name in names}
 
     def logs(self, namespace: str, pod: str, container: str | None = None) -> str:
         """A container's log through the API server and the kubelet (`kubectl logs`); '' if none yet."""

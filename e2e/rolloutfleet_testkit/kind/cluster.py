@@ -126,9 +126,10 @@ def host_ip() -> str:
 
 # Where each image goes: where the pods that run it can be scheduled. The SGLang emulator only on
 # the GPU node (its torch layers are gigabytes), as on the local cluster; the test kit's image (its
-# stand-ins run on both: engines too) everywhere; the others on the untainted nodes.
+# stand-ins run as engines too) and busybox (the tests' plain pods, GPU ones included) everywhere;
+# the product's images (proxies, operator, gateway: none tolerates the GPU taint) on the others.
 GPU_IMAGES = ("sglang-emulator",)
-EVERYWHERE = ("testkit",)
+EVERYWHERE = ("testkit", "busybox")
 # What `kind load` runs on a node (kind's nodeutils), fed from a pipe: the archive is never written.
 NODE_IMPORT = ("ctr", "--namespace=k8s.io", "images", "import", "--all-platforms", "--digests")
 
