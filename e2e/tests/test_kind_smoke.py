@@ -58,20 +58,9 @@ def test_gpu_sample_fleet_on_kind_restores_a_deleted_proxy(cluster, test_tokeniz
             interval_s=2,
             detail=lambda: cluster.kubectl("get", "pods", "-n", namespace, "-o", "wide", check=False).stdout,
         )
-        engines = json.loads(
-            cluster.kubectl(
-                "get",
-                "pods",
-                "-n",
-                namespace,
-                "-l",
-                fleet_setup.component_selector(FLEET, "engine"),
-                "-o",
-                "json",
-            ).stdout
-        )["items"]
-        gpu_nodes = cluster.kubectl("get", "nodes", "-l", "nvidia.com/gpu.present=true", "-o", "name").stdout
-        assert engines and all(f"node/{pod['spec']['nodeName']}" in gpu_nodes.split() for pod in engines)
+        engines = component_pods(cluster, namespace, FLEET, "engine")["items"]
+        gpu_nodes = cluster.node_names(gpu=True)
+        assert engines and all(pod["spec"]["nodeName"] in gpu_nodes for pod in engines)
         assert {c["image"] for pod in engines for c in pod["spec"]["containers"]} == {
             fleet["spec"]["engines"]["image"]
         }
@@ -80,21 +69,16 @@ def test_gpu_sample_fleet_on_kind_restores_a_deleted_proxy(cluster, test_tokeniz
         cluster.kubectl("delete", "rf", FLEET, "-n", namespace)
 
 
+def component_pods(cluster, namespace: str, fleet: str, component: str) -> dict:
+    """The listing (`kubectl get pods -o json`) of one of the fleet's components' pods."""
+    selector = fleet_setup.component_selector(fleet, component)
+    return json.loads(cluster.kubectl("get", "pods", "-n", namespace, "-l", selector, "-o", "json").stdout)
+
+
 def a_deleted_proxy_comes_back_with_its_session(cluster, namespace: str, fleet: str, replicas: int) -> None:
     """A session's turn through the fleet's first proxy; that proxy deleted; its replacement (same
     name) Ready with the fleet, holding the session token for token."""
-    pods = json.loads(
-        cluster.kubectl(
-            "get",
-            "pods",
-            "-n",
-            namespace,
-            "-l",
-            fleet_setup.component_selector(fleet, "proxy"),
-            "-o",
-            "json",
-        ).stdout
-    )
+    pods = component_pods(cluster, namespace, fleet, "proxy")
     name, url = sorted(fleet_setup.pod_urls(pods, fleet_setup.PROXY_PORT).items())[0]
     secret = json.loads(
         cluster.kubectl("get", "secret", f"{fleet}-admin-key", "-n", namespace, "-o", "json").stdout
@@ -117,18 +101,7 @@ def a_deleted_proxy_comes_back_with_its_session(cluster, namespace: str, fleet: 
         timeout_s=300,
         what="Ready again",
     )
-    pods = json.loads(
-        cluster.kubectl(
-            "get",
-            "pods",
-            "-n",
-            namespace,
-            "-l",
-            fleet_setup.component_selector(fleet, "proxy"),
-            "-o",
-            "json",
-        ).stdout
-    )
+    pods = component_pods(cluster, namespace, fleet, "proxy")
     restored = fleet_setup.session_tokens(
         fleet_setup.pod_urls(pods, fleet_setup.PROXY_PORT)[name], session_id, key
     )
